@@ -1,0 +1,28 @@
+// checkpoint.h — activation checkpointing for any block: forward keeps only the block's input,
+// backward runs the block again (with gradients) and differentiates the recomputed graph.
+//
+//   y = memfit::checkpoint([&](const torch::Tensor& x) { return block->forward(x); },
+//                          x, block->parameters());
+//
+// Semantics (those of torch.utils.checkpoint, reentrant variant, with its gaps closed):
+// - CPU and CUDA random generator states are saved at forward and restored for the
+//   recompute, so dropout draws the same masks: gradients equal the plain run's bit for bit.
+// - The autocast state of the forward (enabled flags and dtypes) is re-applied in the recompute.
+// - `params` are differentiable inputs of the checkpoint: they receive gradients even when
+//   `input` does not require grad. Every tensor requiring grad that the block reads must be in
+//   `params` (usually module->parameters()); one that is not gets no gradient.
+// - Outside grad mode (evaluation) the block simply runs.
+// Nested checkpoints work: a checkpointed block may itself checkpoint its parts.
+#pragma once
+
+#include <ATen/ATen.h>
+
+#include <functional>
+
+namespace memfit {
+
+using BlockFn = std::function<at::Tensor(const at::Tensor&)>;
+
+at::Tensor checkpoint(BlockFn block, const at::Tensor& input, at::TensorList params);
+
+}  // namespace memfit

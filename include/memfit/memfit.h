@@ -1,0 +1,23 @@
+// memfit.h — everything memfit offers, in one include.
+#pragma once
+
+#include "memfit/accumulation.h"
+#include "memfit/autocast.h"
+#include "memfit/breakdown.h"
+#include "memfit/budget_allocator.h"
+#include "memfit/cache.h"
+#include "memfit/chain.h"
+#include "memfit/checkpoint.h"
+#include "memfit/compat.h"
+#include "memfit/data.h"
+#include "memfit/evaluation.h"
+#include "memfit/grad_scaler.h"
+#include "memfit/grads.h"
+#include "memfit/html_report.h"
+#include "memfit/memory_tracker.h"
+#include "memfit/metrics.h"
+#include "memfit/models.h"
+#include "memfit/report.h"
+#include "memfit/size.h"
+#include "memfit/step.h"
+#include "memfit/workload.h"

@@ -1,0 +1,53 @@
+// report.h — `memfit report` as a library call: run a few real training steps of a workload
+// under the memory tracker and explain the last one (its peak, what the peak is made of,
+// per phase, per block, and the states after the optimizer).
+#pragma once
+
+#include <nlohmann/json.hpp>
+
+#include <array>
+
+#include <string>
+#include <vector>
+
+#include "memfit/breakdown.h"
+#include "memfit/step.h"
+#include "memfit/workload.h"
+
+namespace memfit {
+
+struct ReportOptions {
+  ModelOptions model;
+  int64_t batch = 16;
+  int64_t steps = 3;          // the last one is analysed (steady state: optimizer state exists)
+  StepOptions step;           // micro-batch, precision, checkpoint, set_to_none
+  bool eval_only = false;     // inference only: forward passes under InferenceMode
+  double learning_rate = 1e-3;
+};
+
+struct Report {
+  std::string model;
+  std::string description;
+  int64_t parameters = 0;
+  int64_t parameter_bytes = 0;
+  int64_t batch = 0;
+  ReportOptions options;
+  StepAnalysis analysis;          // the last step
+  Categories states;              // after backward + optimizer, before gradients are released
+  int64_t between_steps_bytes = 0;  // live bytes after the last step (gradients released or not)
+  std::array<int64_t, kNumPhases> phase_peak{};
+  std::vector<std::string> block_names;
+  std::vector<bool> block_recomputed;
+  double loss = 0;
+};
+
+// Creates its own MemoryTracker, installed on this thread for the call, before building the
+// model, so every byte of the run is counted.
+Report run_report(const ReportOptions& options);
+
+// The JSON of `memfit report --json` (bytes as integers).
+nlohmann::json report_json(const Report& report);
+// The document the HTML report draws (timeline by category, phases, blocks).
+nlohmann::json report_chart_document(const Report& report);
+
+}  // namespace memfit

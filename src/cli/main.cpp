@@ -1,0 +1,192 @@
+// memfit — the command-line tool: a thin layer over the library. Each subcommand parses its
+// flags, validates them (one clear line and exit 2 on bad input), calls the library, prints.
+#include <CLI/CLI.hpp>
+#include <fmt/format.h>
+#include <torch/torch.h>
+
+#include <cstdio>
+#include <fstream>
+#include <iostream>
+#include <thread>
+
+#include "memfit/memfit.h"
+
+namespace {
+
+using namespace memfit;
+
+// Flags shared by subcommands that build a workload.
+struct CommonFlags {
+  ModelOptions model;
+  int64_t batch = 16;
+  int threads = 0;
+  int64_t layers = 0;  // gpt: transformer layers; mlp: hidden layers (0 = the model's default)
+  int64_t micro_batch = 0;
+  std::string precision = "fp32";
+  std::string checkpoint = "none";
+  bool keep_grads = false;
+};
+
+void add_model_flags(CLI::App& app, CommonFlags& f) {
+  app.add_option("--model", f.model.model, "gpt | cnn | mlp")->capture_default_str();
+  app.add_option("--layers", f.layers, "gpt: transformer layers (8); mlp: hidden layers (4)");
+  app.add_option("--d-model", f.model.gpt.d_model, "gpt: model width")->capture_default_str();
+  app.add_option("--heads", f.model.gpt.heads, "gpt: attention heads (must divide --d-model)")->capture_default_str();
+  app.add_option("--seq", f.model.gpt.seq, "gpt: sequence length in characters")->capture_default_str();
+  app.add_option("--data", f.model.data_file, "gpt: a text file to train on instead of the Bible");
+  app.add_option("--blocks", f.model.cnn.blocks, "cnn: residual blocks")->capture_default_str();
+  app.add_option("--channels", f.model.cnn.channels, "cnn: channels")->capture_default_str();
+  app.add_option("--width", f.model.mlp.width, "mlp: hidden width")->capture_default_str();
+  app.add_option("--batch", f.batch, "samples per optimizer step")->capture_default_str();
+  app.add_option("--seed", f.model.seed, "seed for weights, batches and dropout")->capture_default_str();
+  app.add_option("--threads", f.threads, "LibTorch threads (default: all cores)");
+}
+
+void add_technique_flags(CLI::App& app, CommonFlags& f) {
+  app.add_option("--micro-batch", f.micro_batch, "samples per micro-batch (gradient accumulation)");
+  app.add_option("--precision", f.precision, "fp32 | bf16 | fp16 (autocast)")->capture_default_str();
+  app.add_option("--checkpoint", f.checkpoint, "none | all | every:K | i,j,... (blocks recomputed in backward)")
+      ->capture_default_str();
+  app.add_flag("--keep-grads", f.keep_grads, "zero gradients instead of releasing them (set_to_none off)");
+}
+
+// Validation the library cannot do alone (it needs to know the whole command line).
+void apply_common(CommonFlags& f) {
+  if (f.layers != 0) f.model.gpt.layers = f.model.mlp.layers = f.layers;
+  if (f.batch < 1) throw std::invalid_argument(fmt::format("invalid --batch {}: expected a positive integer", f.batch));
+  if (f.micro_batch < 0 || f.micro_batch > f.batch) {
+    throw std::invalid_argument(fmt::format("invalid --micro-batch {}: expected 1 to --batch ({})", f.micro_batch, f.batch));
+  }
+  if (f.threads < 0) throw std::invalid_argument(fmt::format("invalid --threads {}: expected >= 1", f.threads));
+  const int threads = f.threads > 0 ? f.threads : static_cast<int>(std::max(1u, std::thread::hardware_concurrency()));
+  at::set_num_threads(threads);
+}
+
+StepOptions step_options(const CommonFlags& f, int blocks) {
+  StepOptions s;
+  s.micro_batch = f.micro_batch;
+  s.precision = parse_precision(f.precision);
+  std::string why;
+  if (!precision_supported(s.precision, c10::kCPU, &why)) {
+    throw std::invalid_argument("invalid --precision " + f.precision + ": " + why);
+  }
+  s.checkpoint = CheckpointPlan::parse(f.checkpoint, blocks);
+  s.set_to_none = !f.keep_grads;
+  return s;
+}
+
+int chain_size(const ModelOptions& m) {
+  if (m.model == "gpt") return static_cast<int>(2 * m.gpt.layers + 2);
+  if (m.model == "cnn") return static_cast<int>(m.cnn.blocks + 2);
+  if (m.model == "mlp") return static_cast<int>(m.mlp.layers + 1);
+  throw std::invalid_argument("unknown model '" + m.model + "': expected gpt, cnn or mlp");
+}
+
+std::string bytes_cell(int64_t b) { return fmt::format("{:>10}  {:>12} B", format_bytes(b), b); }
+
+void print_report_table(const Report& r) {
+  const auto& a = r.analysis;
+  fmt::print("{}\n", r.description);
+  fmt::print("{} parameters ({}), batch {}, micro-batch {}, precision {}, checkpoint {}, gradients {}\n\n",
+             r.parameters, format_bytes(r.parameter_bytes), r.batch,
+             r.options.step.micro_batch > 0 ? r.options.step.micro_batch : r.batch,
+             precision_name(r.options.step.precision), r.options.step.checkpoint.describe(),
+             r.options.step.set_to_none ? "released after the step" : "kept (zeroed)");
+  fmt::print("Peak of the last {} step: {} ({} bytes), during {}\n",
+             r.options.eval_only ? "eval" : "training", format_bytes(a.peak_bytes), a.peak_bytes,
+             phase_name(a.peak_phase));
+  const auto& p = a.at_peak;
+  auto share = [&](int64_t v) { return a.peak_bytes ? 100.0 * static_cast<double>(v) / static_cast<double>(a.peak_bytes) : 0.0; };
+  fmt::print("  {:<18}{}  {:5.1f}%\n", "weights", bytes_cell(p.weights), share(p.weights));
+  fmt::print("  {:<18}{}  {:5.1f}%\n", "gradients", bytes_cell(p.gradients), share(p.gradients));
+  fmt::print("  {:<18}{}  {:5.1f}%\n", "optimizer state", bytes_cell(p.optimizer_state), share(p.optimizer_state));
+  fmt::print("  {:<18}{}  {:5.1f}%\n", "activations", bytes_cell(p.activations), share(p.activations));
+  fmt::print("  {:<18}{}  {:5.1f}%\n", "other", bytes_cell(p.other), share(p.other));
+  if (p.autocast_cache > 0) fmt::print("    of which autocast weight casts {}\n", bytes_cell(p.autocast_cache));
+  if (!r.options.eval_only) {
+    fmt::print("\nAfter backward + optimizer step:\n");
+    fmt::print("  {:<18}{}\n  {:<18}{}\n  {:<18}{}\n", "weights", bytes_cell(r.states.weights), "gradients",
+               bytes_cell(r.states.gradients), "optimizer state", bytes_cell(r.states.optimizer_state));
+    fmt::print("Live between steps: {}\n", bytes_cell(r.between_steps_bytes));
+  }
+  fmt::print("\nPeak per phase:\n");
+  for (Phase ph : {Phase::kForward, Phase::kBackward, Phase::kRecompute, Phase::kOptimizer, Phase::kEval}) {
+    const int64_t v = r.phase_peak[static_cast<int>(ph)];
+    if (v > 0) fmt::print("  {:<18}{}\n", phase_name(ph), bytes_cell(v));
+  }
+  fmt::print("\nActivations each block keeps for backward (end of forward):\n");
+  for (size_t i = 0; i < r.block_names.size(); ++i) {
+    fmt::print("  {:>3} {:<10}{}{}\n", i, r.block_names[i], bytes_cell(a.block_activation_bytes.at(i)),
+               r.block_recomputed[i] ? "  (recomputed)" : "");
+  }
+}
+
+int run_report_command(CommonFlags& f, int64_t steps, bool eval_only, bool json, const std::string& html) {
+  apply_common(f);
+  ReportOptions o;
+  o.model = f.model;
+  o.batch = f.batch;
+  o.steps = steps;
+  o.eval_only = eval_only;
+  o.step = step_options(f, chain_size(f.model));
+  if (steps < 1) throw std::invalid_argument(fmt::format("invalid --steps {}: expected a positive integer", steps));
+  Report r = run_report(o);
+  if (json) {
+    std::cout << report_json(r).dump(2) << "\n";
+  } else {
+    print_report_table(r);
+  }
+  if (!html.empty()) {
+    write_html_report(html, report_chart_document(r));
+    if (!json) fmt::print("\nReport: {}\n", html);
+  }
+  return 0;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  // First thing: every tensor from here on goes through memfit's allocator (no budget yet),
+  // which reports each allocation to the memory tracker.
+  BudgetAllocator::install();
+
+  CLI::App app{"memfit: make deep-learning training fit in the memory you have"};
+  app.require_subcommand(1);
+
+  CommonFlags report_flags;
+  int64_t report_steps = 3;
+  bool report_json_flag = false, report_eval = false;
+  std::string report_html;
+  CLI::App* report = app.add_subcommand("report", "run real training steps and show where the memory goes");
+  add_model_flags(*report, report_flags);
+  add_technique_flags(*report, report_flags);
+  report->add_option("--steps", report_steps, "training steps; the last is analysed")->capture_default_str();
+  report->add_flag("--eval", report_eval, "inference only (InferenceMode)");
+  report->add_flag("--json", report_json_flag, "exact JSON (bytes as integers) instead of a table");
+  report->add_option("--html", report_html, "also write a self-contained HTML report to this file");
+
+  try {
+    app.parse(argc, argv);
+  } catch (const CLI::CallForHelp& e) {
+    return app.exit(e);
+  } catch (const CLI::CallForAllHelp& e) {
+    return app.exit(e);
+  } catch (const CLI::ParseError& e) {
+    std::fprintf(stderr, "memfit: %s (see memfit --help)\n", e.what());
+    return 2;
+  }
+
+  try {
+    if (report->parsed()) return run_report_command(report_flags, report_steps, report_eval, report_json_flag, report_html);
+  } catch (const std::invalid_argument& e) {
+    std::fprintf(stderr, "memfit: %s\n", e.what());
+    return 2;
+  } catch (const c10::Error& e) {
+    std::fprintf(stderr, "memfit: %s\n", e.what_without_backtrace());
+    return 1;
+  } catch (const std::exception& e) {
+    std::fprintf(stderr, "memfit: %s\n", e.what());
+    return 1;
+  }
+  return 0;
+}
