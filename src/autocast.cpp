@@ -1,6 +1,9 @@
 #include "memfit/autocast.h"
 
 #include <c10/util/Exception.h>
+#include <torch/nn/module.h>
+#include <torch/nn/modules/conv.h>
+#include <torch/nn/modules/linear.h>
 
 #include <stdexcept>
 
@@ -52,6 +55,8 @@ bool precision_supported(Precision precision, c10::DeviceType device, std::strin
 
 Autocast::Autocast(c10::DeviceType device, at::ScalarType dtype, bool enabled)
     : device_(device),
+      enabled_(enabled),
+      dtype_(dtype),
       previous_enabled_(compat::autocast_enabled(device)),
       previous_dtype_(compat::autocast_dtype(device)) {
   TORCH_CHECK(device == c10::kCPU || device == c10::kCUDA,
@@ -77,6 +82,27 @@ Autocast::~Autocast() {
   }
   compat::set_autocast_enabled(device_, previous_enabled_);
   compat::set_autocast_dtype(device_, previous_dtype_);
+}
+
+void Autocast::warm_cast_cache(const std::vector<at::Tensor>& params) {
+  if (!enabled_) return;
+  BlockTagGuard tag(kAutocastCacheTag);
+  for (const at::Tensor& p : params) {
+    if (p.device().type() == device_ && p.scalar_type() == at::kFloat) {
+      at::autocast::cached_cast(dtype_, p, device_);
+    }
+  }
+}
+
+std::vector<at::Tensor> autocast_cast_parameters(const torch::nn::Module& module) {
+  std::vector<at::Tensor> out;
+  for (const auto& m : module.modules(/*include_self=*/true)) {
+    const bool casts = m->as<torch::nn::Linear>() || m->as<torch::nn::Conv1d>() ||
+                       m->as<torch::nn::Conv2d>() || m->as<torch::nn::Conv3d>();
+    if (!casts) continue;
+    for (const auto& p : m->parameters(/*recurse=*/false)) out.push_back(p);
+  }
+  return out;
 }
 
 AutocastState AutocastState::capture() {

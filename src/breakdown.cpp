@@ -117,7 +117,7 @@ StepAnalysis analyze_step(const MemoryTracker& tracker, const KnownStorage& know
       if (known.gradients.count(ptr)) return Cat::kGradients;
       if (known.optimizer_state.count(ptr)) return Cat::kOptimizer;
     }
-    if (cache_ids.count(a.id)) return Cat::kAutocastCache;
+    if (cache_ids.count(a.id) || a.block == kAutocastCacheTag) return Cat::kAutocastCache;
     if (a.phase == Phase::kForward || a.phase == Phase::kRecompute || a.phase == Phase::kEval) {
       return Cat::kActivations;
     }

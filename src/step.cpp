@@ -14,6 +14,7 @@ double forward_backward(Workload& w, const Batch& part, double weight, const Ste
   {
     PhaseGuard phase(Phase::kForward);
     Autocast autocast(device, o.precision);  // exits (and frees its cast cache) before backward
+    autocast.warm_cast_cache(autocast_cast_parameters(*w.chain));  // so its bytes are reported
     at::Tensor out = w.chain->forward(part.input, o.checkpoint);
     loss = w.loss(out, part.target) * weight;
   }

@@ -11,10 +11,16 @@
 // memory tracker, so breakdowns can report the cache separately.
 #pragma once
 
+#include <ATen/core/Tensor.h>
 #include <c10/core/DeviceType.h>
 #include <c10/core/ScalarType.h>
 
 #include <string>
+#include <vector>
+
+namespace torch::nn {
+class Module;
+}
 
 namespace memfit {
 
@@ -33,14 +39,26 @@ class Autocast {
   // fp32 means "autocast off" (still a guard: restores the previous state at exit).
   Autocast(c10::DeviceType device, Precision precision);
   ~Autocast();
+
+  // Casts `params` into autocast's weight-cast cache now, with their allocations tagged
+  // kAutocastCacheTag, so the tracker can report the cache's bytes (the ops then hit the
+  // cache: the same copies PyTorch would make lazily, only made up front). No-op when off.
+  void warm_cast_cache(const std::vector<at::Tensor>& params);
+
   Autocast(const Autocast&) = delete;
   Autocast& operator=(const Autocast&) = delete;
 
  private:
   c10::DeviceType device_;
+  bool enabled_;
+  at::ScalarType dtype_;
   bool previous_enabled_;
   at::ScalarType previous_dtype_;
 };
+
+// Parameters that autocast casts to lower precision in a standard module tree: those of
+// Linear and Conv layers (embeddings and norms stay fp32).
+std::vector<at::Tensor> autocast_cast_parameters(const torch::nn::Module& module);
 
 // The autocast state of both device types, captured and re-applied (used by checkpoint).
 struct AutocastState {

@@ -9,7 +9,8 @@
 // - activations: other allocations made in the forward or recompute phase (what forward keeps
 //   for backward, and forward's temporaries while they live);
 // - other: the rest (input batch, gradients of activations in backward, loss, autocast's
-//   weight-cast cache — also reported on its own — and workspaces).
+//   weight-cast cache — also reported on its own: the copies made by Autocast::warm_cast_cache
+//   or freed when the cache is cleared — and workspaces).
 #pragma once
 
 #include <torch/optim/optimizer.h>

@@ -1,0 +1,12 @@
+#!/usr/bin/env bash
+# Installs memfit from the build tree into a temporary prefix, then builds and runs a separate
+# project that does find_package(memfit) and links memfit::memfit.
+set -euo pipefail
+build=$1
+src=$2
+dir=$(mktemp -d)
+trap 'rm -rf "$dir"' EXIT
+cmake --install "$build" --prefix "$dir/prefix" >/dev/null
+cmake -S "$src" -B "$dir/build" -DCMAKE_PREFIX_PATH="$dir/prefix" -DCMAKE_BUILD_TYPE=Release >/dev/null
+cmake --build "$dir/build" -j1 >/dev/null
+"$dir/build/consumer"

@@ -1,0 +1,126 @@
+// Activation checkpointing: bit-equal gradients, RNG and autocast preserved, and the bytes saved.
+#include "test_util.h"
+
+namespace memfit {
+namespace {
+
+using test::grads_of;
+
+// Gradients of one forward/backward of the small GPT under `plan`, from the same seeds.
+std::vector<at::Tensor> gpt_gradients(const CheckpointPlan& plan, Precision precision) {
+  Workload w = make_workload(test::small_gpt(/*seed=*/7));
+  Batch batch = w.data->train_batch(0, 4, /*seed=*/7);
+  torch::manual_seed(123);  // the same dropout stream for both runs
+  at::Tensor loss;
+  {
+    Autocast autocast(c10::kCPU, precision);
+    loss = w.loss(w.chain->forward(batch.input, plan), batch.target);
+  }
+  loss.backward();
+  return grads_of(*w.chain);
+}
+
+void expect_bit_equal(const std::vector<at::Tensor>& a, const std::vector<at::Tensor>& b) {
+  ASSERT_EQ(a.size(), b.size());
+  for (size_t i = 0; i < a.size(); ++i) {
+    ASSERT_TRUE(a[i].defined()) << "parameter " << i << " got no gradient";
+    ASSERT_TRUE(b[i].defined()) << "parameter " << i << " got no gradient";
+    EXPECT_TRUE(torch::equal(a[i], b[i])) << "parameter " << i << " differs by "
+                                          << (a[i] - b[i]).abs().max().item<double>();
+  }
+}
+
+TEST(CheckpointTest, GradientsBitEqualWithDropoutFp32) {
+  test::use_memfit_allocator();
+  const int blocks = 14;
+  auto plain = gpt_gradients(CheckpointPlan::none(), Precision::kFP32);
+  expect_bit_equal(plain, gpt_gradients(CheckpointPlan::all(blocks), Precision::kFP32));
+  expect_bit_equal(plain, gpt_gradients(CheckpointPlan::every(3, blocks), Precision::kFP32));
+  expect_bit_equal(plain, gpt_gradients(CheckpointPlan::of_blocks({1, 4, 13}, blocks), Precision::kFP32));
+}
+
+TEST(CheckpointTest, GradientsBitEqualWithDropoutBf16Autocast) {
+  test::use_memfit_allocator();
+  auto plain = gpt_gradients(CheckpointPlan::none(), Precision::kBF16);
+  expect_bit_equal(plain, gpt_gradients(CheckpointPlan::all(14), Precision::kBF16));
+}
+
+TEST(CheckpointTest, RecomputeWithoutRngRestoreWouldDiffer) {
+  // Guards the test above against passing trivially: a different dropout stream changes gradients.
+  test::use_memfit_allocator();
+  auto a = gpt_gradients(CheckpointPlan::none(), Precision::kFP32);
+  Workload w = make_workload(test::small_gpt(7));
+  Batch batch = w.data->train_batch(0, 4, 7);
+  torch::manual_seed(999);
+  w.loss(w.chain->forward(batch.input), batch.target).backward();
+  auto b = grads_of(*w.chain);
+  EXPECT_FALSE(torch::equal(a[1], b[1]));
+}
+
+TEST(CheckpointTest, ParametersGetGradientsWhenInputDoesNotRequireGrad) {
+  test::use_memfit_allocator();
+  torch::manual_seed(0);
+  auto linear = torch::nn::Linear(8, 8);
+  auto x = torch::randn({4, 8});  // requires_grad = false
+  auto y = checkpoint([&](const at::Tensor& in) { return torch::tanh(linear(in)); }, x, linear->parameters());
+  y.sum().backward();
+  ASSERT_TRUE(linear->weight.grad().defined());
+  auto expected = linear->weight.grad().clone();
+  linear->zero_grad();
+  torch::tanh(linear(x)).sum().backward();
+  EXPECT_TRUE(torch::equal(expected, linear->weight.grad()));
+}
+
+TEST(CheckpointTest, InputGradientAndNesting) {
+  test::use_memfit_allocator();
+  torch::manual_seed(0);
+  auto a = torch::nn::Linear(8, 8), b = torch::nn::Linear(8, 8);
+  auto x = torch::randn({4, 8}, torch::requires_grad());
+  auto inner = [&](const at::Tensor& in) { return torch::gelu(b(in)); };
+  auto outer = [&](const at::Tensor& in) { return checkpoint(inner, torch::gelu(a(in)), b->parameters()); };
+  std::vector<at::Tensor> params = a->parameters();
+  for (auto& p : b->parameters()) params.push_back(p);
+  checkpoint(outer, x, params).sum().backward();
+  auto gx = x.grad().clone(), ga = a->weight.grad().clone(), gb = b->weight.grad().clone();
+  x.mutable_grad().reset();
+  a->zero_grad();
+  b->zero_grad();
+  torch::gelu(b(torch::gelu(a(x)))).sum().backward();
+  EXPECT_TRUE(torch::equal(gx, x.grad()));
+  EXPECT_TRUE(torch::equal(ga, a->weight.grad()));
+  EXPECT_TRUE(torch::equal(gb, b->weight.grad()));
+}
+
+TEST(CheckpointTest, RestoresTheCallersRandomStream) {
+  test::use_memfit_allocator();
+  torch::manual_seed(5);
+  auto x = torch::randn({16, 16}, torch::requires_grad());
+  auto y = checkpoint([](const at::Tensor& in) { return torch::dropout(in, 0.5, true); }, x, {});
+  auto next_after_forward = torch::rand({1}).item<float>();
+  torch::manual_seed(5);
+  auto x2 = torch::randn({16, 16});
+  torch::dropout(x2, 0.5, true);
+  EXPECT_EQ(next_after_forward, torch::rand({1}).item<float>());
+  y.sum().backward();  // the recompute must not disturb the stream either
+  auto r1 = torch::rand({1}).item<float>();
+  torch::manual_seed(5);
+  torch::randn({16, 16});
+  torch::dropout(x2, 0.5, true);
+  torch::rand({1});
+  EXPECT_EQ(r1, torch::rand({1}).item<float>());
+}
+
+TEST(CheckpointTest, ParsesPlans) {
+  EXPECT_EQ(CheckpointPlan::parse("none", 10).recomputed_blocks().size(), 0u);
+  EXPECT_EQ(CheckpointPlan::parse("all", 10).segments.size(), 10u);
+  auto every = CheckpointPlan::parse("every:4", 10);
+  ASSERT_EQ(every.segments.size(), 3u);
+  EXPECT_EQ(every.segments[2], std::make_pair(8, 9));
+  EXPECT_EQ(CheckpointPlan::parse("3,1", 10).describe(), "1,3");
+  for (const char* bad : {"every:0", "every:x", "1,,2", "12", "-1", "some"}) {
+    EXPECT_THROW(CheckpointPlan::parse(bad, 10), std::invalid_argument) << bad;
+  }
+}
+
+}  // namespace
+}  // namespace memfit

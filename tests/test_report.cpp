@@ -1,0 +1,110 @@
+// Where memory goes: the breakdown of `memfit report`, checked against the allocator's bytes.
+#include "test_util.h"
+
+namespace memfit {
+namespace {
+
+Report gpt_report(int64_t batch) {
+  test::use_memfit_allocator();
+  ReportOptions o;
+  o.model = test::small_gpt();
+  o.batch = batch;
+  o.steps = 3;
+  return run_report(o);
+}
+
+TEST(ReportTest, StatesEqualParameterBytes) {
+  Report r = gpt_report(8);
+  EXPECT_GT(r.parameter_bytes, 0);
+  EXPECT_EQ(r.parameter_bytes, r.parameters * 4);  // fp32
+  EXPECT_EQ(r.states.weights, r.parameter_bytes);
+  EXPECT_EQ(r.states.gradients, r.parameter_bytes);
+  // AdamW: exp_avg and exp_avg_sq per parameter; its step count is a plain integer in LibTorch.
+  EXPECT_EQ(r.states.optimizer_state, 2 * r.parameter_bytes);
+}
+
+TEST(ReportTest, PartsAtPeakSumToPeak) {
+  Report r = gpt_report(8);
+  const auto& p = r.analysis.at_peak;
+  EXPECT_EQ(p.weights + p.gradients + p.optimizer_state + p.activations + p.other, r.analysis.peak_bytes);
+  EXPECT_EQ(p.weights, r.parameter_bytes);
+  EXPECT_EQ(p.optimizer_state, 2 * r.parameter_bytes);
+  EXPECT_GT(p.activations, 0);
+  // The analysed peak is the tracker's own peak for that step.
+  int64_t phase_max = 0;
+  for (auto v : r.phase_peak) phase_max = std::max(phase_max, v);
+  EXPECT_EQ(r.analysis.peak_bytes, phase_max);
+  // Per-block activations: every block keeps something, attention halves the most.
+  ASSERT_EQ(r.analysis.block_activation_bytes.size(), 14u);
+  for (auto b : r.analysis.block_activation_bytes) EXPECT_GT(b, 0);
+  EXPECT_GT(r.analysis.block_activation_bytes[1], r.analysis.block_activation_bytes[2]);
+}
+
+TEST(ReportTest, ActivationsGrowLinearlyWithBatch) {
+  Report small = gpt_report(4);
+  Report big = gpt_report(8);
+  const double ratio = static_cast<double>(big.analysis.at_peak.activations) /
+                       static_cast<double>(small.analysis.at_peak.activations);
+  EXPECT_GE(ratio, 1.8);
+  EXPECT_LE(ratio, 2.2);
+}
+
+TEST(ReportTest, JsonHasTheDocumentedFields) {
+  Report r = gpt_report(4);
+  auto j = report_json(r);
+  for (const char* key : {"model", "parameters", "peak_bytes", "at_peak", "states", "phases", "blocks"}) {
+    EXPECT_TRUE(j.contains(key)) << key;
+  }
+  EXPECT_EQ(j["peak_bytes"].get<int64_t>(), r.analysis.peak_bytes);
+  EXPECT_TRUE(j["phases"].contains("forward"));
+  EXPECT_TRUE(j["phases"].contains("backward"));
+  EXPECT_TRUE(j["phases"].contains("optimizer"));
+  auto doc = report_chart_document(r);
+  EXPECT_EQ(doc["timeline"].size(), r.analysis.timeline.size());
+}
+
+TEST(ReportTest, ImageModelsRunOnFashionMnist) {
+  test::use_memfit_allocator();
+  for (const char* model : {"cnn", "mlp"}) {
+    ReportOptions o;
+    o.model.model = model;
+    o.model.cnn.blocks = 2;
+    o.model.cnn.channels = 8;
+    o.model.mlp.layers = 2;
+    o.model.mlp.width = 64;
+    o.batch = 8;
+    o.steps = 2;
+    Report r = run_report(o);
+    EXPECT_EQ(r.states.weights, r.parameter_bytes) << model;
+    EXPECT_EQ(r.analysis.at_peak.total(), r.analysis.peak_bytes) << model;
+    EXPECT_TRUE(std::isfinite(r.loss)) << model;
+  }
+}
+
+TEST(ReportTest, DeterministicForASeed) {
+  Report a = gpt_report(4);
+  Report b = gpt_report(4);
+  EXPECT_EQ(a.loss, b.loss);
+  EXPECT_EQ(a.analysis.peak_bytes, b.analysis.peak_bytes);
+}
+
+TEST(ReportTest, BadModelOptionsAreClearErrors) {
+  test::use_memfit_allocator();
+  ModelOptions o = test::small_gpt();
+  o.gpt.heads = 5;
+  try {
+    make_workload(o);
+    FAIL();
+  } catch (const std::invalid_argument& e) {
+    EXPECT_NE(std::string(e.what()).find("--heads 5"), std::string::npos);
+  }
+  o = test::small_gpt();
+  o.model = "rnn";
+  EXPECT_THROW(make_workload(o), std::invalid_argument);
+  o = test::small_gpt();
+  o.data_file = "/nonexistent/file.txt";
+  EXPECT_THROW(make_workload(o), std::runtime_error);
+}
+
+}  // namespace
+}  // namespace memfit

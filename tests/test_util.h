@@ -1,0 +1,44 @@
+// Shared helpers for the torch tests: small reference workloads and a tracker per test.
+#pragma once
+
+#include <gtest/gtest.h>
+#include <torch/torch.h>
+
+#include "memfit/memfit.h"
+
+namespace memfit::test {
+
+// A GPT small enough for 2 cores, with 6 layers (14 blocks) and dropout on.
+inline ModelOptions small_gpt(uint64_t seed = 0) {
+  ModelOptions o;
+  o.model = "gpt";
+  o.gpt.layers = 6;
+  o.gpt.d_model = 64;
+  o.gpt.heads = 4;
+  o.gpt.seq = 64;
+  o.gpt.dropout = 0.1;
+  o.seed = seed;
+  return o;
+}
+
+// Installs memfit's allocator once per process, so every test counts through the same path
+// as the CLI.
+inline void use_memfit_allocator() { BudgetAllocator::install(); }
+
+// Copies of all .grad tensors (undefined where a parameter has none).
+inline std::vector<at::Tensor> grads_of(const torch::nn::Module& m) {
+  std::vector<at::Tensor> out;
+  for (const auto& p : m.parameters()) out.push_back(p.grad().defined() ? p.grad().clone() : at::Tensor());
+  return out;
+}
+
+inline double max_relative_difference(const std::vector<at::Tensor>& a, const std::vector<at::Tensor>& b) {
+  double worst = 0;
+  for (size_t i = 0; i < a.size(); ++i) {
+    const double scale = std::max(a[i].abs().max().item<double>(), 1e-12);
+    worst = std::max(worst, (a[i] - b[i]).abs().max().item<double>() / scale);
+  }
+  return worst;
+}
+
+}  // namespace memfit::test
