@@ -52,7 +52,9 @@ How peak_bytes is measured (exact, from the allocator):
   timestamp and counted in other_thread_memory_records.
   Step times are taken afterwards, on the same model, with the profiler off: one more warm-up
   step, then --steps timed steps (batch creation + forward + backward + optimizer step +
-  zero_grad); median_step_s is their median.
+  zero_grad); median_step_s is their median, min_step_s their minimum. loadavg_1m (before,
+  after) shows whether other work competed for the cores: with 2 OpenMP threads on 2 cores, one
+  busy core stalls every parallel region and a step can take tens of times longer.
 """
 import argparse
 import gzip
@@ -479,6 +481,7 @@ def main(args):
         print(parameter_count(model))
         return 0
 
+    load_before = os.getloadavg()[0]
     trainer, info = measure(args)
     trainer.step()  # warm-up without the profiler
     times = []
@@ -502,6 +505,10 @@ def main(args):
         ("peak_bytes", info["peak_bytes"]),
         ("step_times_s", [round(t, 6) for t in times]),
         ("median_step_s", round(statistics.median(times), 6)),
+        ("min_step_s", round(min(times), 6)),
+        # Other work on the machine (e.g. compiles) inflates times badly with 2 OpenMP threads
+        # on 2 cores: a descheduled worker stalls every parallel region. Recorded to judge that.
+        ("loadavg_1m", [round(load_before, 2), round(os.getloadavg()[0], 2)]),
         ("baseline_bytes", info["baseline_bytes"]),
         ("baseline_accounted_bytes", info["baseline_accounted_bytes"]),
         ("end_bytes", info["end_bytes"]),

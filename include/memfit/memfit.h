@@ -20,4 +20,5 @@
 #include "memfit/report.h"
 #include "memfit/size.h"
 #include "memfit/step.h"
+#include "memfit/trainer.h"
 #include "memfit/workload.h"

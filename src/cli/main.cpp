@@ -7,6 +7,7 @@
 #include <cstdio>
 #include <fstream>
 #include <iostream>
+#include <sstream>
 #include <thread>
 
 #include "memfit/memfit.h"
@@ -32,6 +33,7 @@ void add_model_flags(CLI::App& app, CommonFlags& f) {
   app.add_option("--layers", f.layers, "gpt: transformer layers (8); mlp: hidden layers (4)");
   app.add_option("--d-model", f.model.gpt.d_model, "gpt: model width")->capture_default_str();
   app.add_option("--heads", f.model.gpt.heads, "gpt: attention heads (must divide --d-model)")->capture_default_str();
+  app.add_option("--dropout", f.model.gpt.dropout, "gpt: dropout probability")->capture_default_str();
   app.add_option("--seq", f.model.gpt.seq, "gpt: sequence length in characters")->capture_default_str();
   app.add_option("--data", f.model.data_file, "gpt: a text file to train on instead of the Bible");
   app.add_option("--blocks", f.model.cnn.blocks, "cnn: residual blocks")->capture_default_str();
@@ -143,6 +145,41 @@ int run_report_command(CommonFlags& f, int64_t steps, bool eval_only, bool json,
   return 0;
 }
 
+int run_train_command(CommonFlags& f, TrainOptions& t, const std::string& budget, const std::string& inject) {
+  apply_common(f);
+  t.model = f.model;
+  t.batch = f.batch;
+  t.micro_batch = f.micro_batch;
+  t.keep_grads = f.keep_grads;
+  if (!budget.empty()) {
+    try {
+      t.budget_bytes = parse_size(budget);
+    } catch (const std::invalid_argument& e) {
+      throw std::invalid_argument(std::string("--budget: ") + e.what());
+    }
+  }
+  if (!inject.empty()) {
+    std::stringstream in(inject);
+    std::string item;
+    while (std::getline(in, item, ',')) {
+      size_t used = 0;
+      long long v = -1;
+      try {
+        v = std::stoll(item, &used);
+      } catch (const std::exception&) {
+        used = 0;
+      }
+      if (item.empty() || used != item.size() || v < 1) {
+        throw std::invalid_argument("invalid --inject-oom '" + inject + "': expected step numbers from 1, like 3,7");
+      }
+      t.inject_oom.push_back(v);
+    }
+  }
+  if (t.checkpoint != "auto") CheckpointPlan::parse(t.checkpoint, chain_size(f.model));  // validates
+  train(t, std::cout);
+  return 0;
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
@@ -165,6 +202,29 @@ int main(int argc, char** argv) {
   report->add_flag("--json", report_json_flag, "exact JSON (bytes as integers) instead of a table");
   report->add_option("--html", report_html, "also write a self-contained HTML report to this file");
 
+  CommonFlags train_flags;
+  TrainOptions train_options;
+  train_options.report_html = "memfit-report.html";
+  std::string train_budget, train_inject;
+  CLI::App* train_cmd = app.add_subcommand("train", "train under a hard memory budget with an automatic plan");
+  add_model_flags(*train_cmd, train_flags);
+  train_cmd->add_option("--budget", train_budget, "memory budget: 512MiB, 1.5GiB, 800MB, 1e9 or bytes (default: 60% of the plain step)");
+  train_cmd->add_option("--steps", train_options.steps, "train until this step (counted from the start, resumes included)")->capture_default_str();
+  train_cmd->add_option("--precision", train_options.precision, "auto | fp32 | bf16 | fp16")->capture_default_str();
+  train_cmd->add_option("--micro-batch", train_flags.micro_batch, "pin the micro-batch size (default: planned)");
+  train_cmd->add_option("--checkpoint", train_options.checkpoint, "auto | none | all | every:K | i,j,...")->capture_default_str();
+  train_cmd->add_flag("--keep-grads", train_flags.keep_grads, "zero gradients instead of releasing them");
+  train_cmd->add_option("--lr", train_options.learning_rate, "AdamW learning rate")->capture_default_str();
+  train_cmd->add_option("--save", train_options.save_dir, "save state into this directory (atomically)");
+  train_cmd->add_option("--save-every", train_options.save_every, "save every K steps")->capture_default_str();
+  train_cmd->add_option("--resume", train_options.resume_dir, "resume from the state saved in this directory");
+  train_cmd->add_option("--eval-every", train_options.eval_every, "held-out evaluation every K steps (0: never)")->capture_default_str();
+  train_cmd->add_option("--eval-batches", train_options.eval_batches, "held-out batches per evaluation")->capture_default_str();
+  train_cmd->add_option("--inject-oom", train_inject, "steps (from 1) whose first micro-batch fails once, e.g. 3,7");
+  train_cmd->add_option("--json-log", train_options.json_log, "write JSON lines (plan, steps, summary) to this file");
+  train_cmd->add_option("--report", train_options.report_html, "HTML report of the last step")->capture_default_str();
+  train_cmd->add_flag("!--no-progress", train_options.progress, "no progress lines");
+
   try {
     app.parse(argc, argv);
   } catch (const CLI::CallForHelp& e) {
@@ -178,6 +238,7 @@ int main(int argc, char** argv) {
 
   try {
     if (report->parsed()) return run_report_command(report_flags, report_steps, report_eval, report_json_flag, report_html);
+    if (train_cmd->parsed()) return run_train_command(train_flags, train_options, train_budget, train_inject);
   } catch (const std::invalid_argument& e) {
     std::fprintf(stderr, "memfit: %s\n", e.what());
     return 2;

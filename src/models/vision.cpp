@@ -31,8 +31,10 @@ struct ResidualImpl : torch::nn::Module {
         norm2(register_module("norm2", torch::nn::GroupNorm(std::gcd<int64_t>(c, 8), c))),
         conv2(register_module("conv2", torch::nn::Conv2d(torch::nn::Conv2dOptions(c, c, 3).padding(1)))) {}
   at::Tensor forward(const at::Tensor& x) {
-    auto h = conv1(torch::relu(norm1(x)));
-    return x + conv2(torch::relu(norm2(h)));
+    // GroupNorm in fp32: on LibTorch 1.13 it throws for a bf16 input with fp32 weights
+    // (conv outputs are bf16 under autocast).
+    auto h = conv1(torch::relu(norm1(x.to(at::kFloat))));
+    return x + conv2(torch::relu(norm2(h.to(at::kFloat))));
   }
   torch::nn::GroupNorm norm1;
   torch::nn::Conv2d conv1;

@@ -1,0 +1,701 @@
+#include "memfit/trainer.h"
+
+#include <openssl/sha.h>
+#include <torch/torch.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <chrono>
+#include <cstdio>
+#include <deque>
+#include <filesystem>
+#include <fstream>
+#include <iostream>
+#include <sstream>
+
+#include "memfit/accumulation.h"
+#include "memfit/breakdown.h"
+#include "memfit/budget_allocator.h"
+#include "memfit/grads.h"
+#include "memfit/html_report.h"
+#include "memfit/memory_tracker.h"
+#include "memfit/metrics.h"
+#include "memfit/size.h"
+#include "memfit/step.h"
+
+namespace fs = std::filesystem;
+
+namespace memfit {
+namespace {
+
+using Clock = std::chrono::steady_clock;
+double seconds_since(Clock::time_point t0) {
+  return std::chrono::duration<double>(Clock::now() - t0).count();
+}
+
+std::string fmt_ratio(double v) {
+  char buf[32];
+  std::snprintf(buf, sizeof buf, "%.2f", v);
+  return buf;
+}
+
+constexpr double kMargin = 0.03;  // the plan keeps 3% of the budget free for what it cannot see
+
+// --- planning ------------------------------------------------------------------------------
+
+struct Mode {
+  std::string name;
+  CheckpointPlan plan;
+};
+
+std::vector<Mode> checkpoint_modes(const Workload& w, const std::string& spec) {
+  const int n = w.chain->size();
+  if (spec != "auto") return {{spec, CheckpointPlan::parse(spec, n)}};
+  std::vector<int> attention;
+  for (int i = 0; i < n; ++i) {
+    if (w.chain->block(i).name.rfind("attn", 0) == 0) attention.push_back(i);
+  }
+  std::vector<Mode> modes{{"none", CheckpointPlan::none()}};
+  if (!attention.empty()) {
+    modes.push_back({"attention", CheckpointPlan::of_blocks(attention, n)});
+  } else {
+    std::vector<int> odd;
+    for (int i = 1; i < n; i += 2) odd.push_back(i);
+    modes.push_back({"alternate", CheckpointPlan::of_blocks(odd, n)});
+  }
+  modes.push_back({"all", CheckpointPlan::all(n)});
+  return modes;
+}
+
+// Bytes above the live bytes at its start, and seconds, of one forward + backward of m samples.
+struct Measure {
+  int64_t bytes;
+  double seconds;
+};
+
+Measure measure(Workload& w, MemoryTracker& tracker, const Batch& batch, int64_t m, const StepOptions& so) {
+  const auto params = w.chain->parameters();
+  zero_grad(params, true);
+  const int64_t base = tracker.current();
+  tracker.reset_peak();
+  const auto t0 = Clock::now();
+  forward_backward(w, batch.slice(0, m), 1.0, so);
+  const double secs = seconds_since(t0);
+  const int64_t bytes = tracker.peak() - base;
+  zero_grad(params, true);
+  return {bytes, secs};
+}
+
+struct Fit {  // value(m) = a + b * m
+  double a, b;
+  double at(double m) const { return a + b * m; }
+};
+
+// The line through (x1, v1) and (x2, v2), never decreasing.
+Fit fit_two(double x1, double v1, double x2, double v2) {
+  const double b = x2 > x1 ? std::max((v2 - v1) / (x2 - x1), 0.0) : 0.0;
+  if (v1 - b * x1 < 0) return {0.0, v1 / x1};  // no negative fixed cost: proportional instead
+  return {v1 - b * x1, b};
+}
+
+}  // namespace
+
+std::string weights_sha256(const torch::nn::Module& module) {
+  SHA256_CTX ctx;
+  SHA256_Init(&ctx);
+  for (const auto& p : module.parameters()) {
+    auto c = p.detach().contiguous();
+    SHA256_Update(&ctx, c.data_ptr(), c.numel() * static_cast<int64_t>(c.element_size()));
+  }
+  unsigned char digest[SHA256_DIGEST_LENGTH];
+  SHA256_Final(digest, &ctx);
+  char hex[2 * SHA256_DIGEST_LENGTH + 1];
+  for (int i = 0; i < SHA256_DIGEST_LENGTH; ++i) std::snprintf(hex + 2 * i, 3, "%02x", digest[i]);
+  return hex;
+}
+
+nlohmann::json TrainSummary::json() const {
+  return {{"type", "summary"},          {"steps", steps},
+          {"samples", samples},         {"final_loss", final_loss},
+          {"eval_loss", eval_loss},     {"peak_bytes", peak_bytes},
+          {"budget_bytes", budget_bytes}, {"oom_recoveries", oom_recoveries},
+          {"weights_sha256", weights_sha256},
+          {"plan", {{"micro_batch", plan.micro_batch},
+                    {"precision", precision_name(plan.precision)},
+                    {"checkpoint", plan.checkpoint.recomputed_blocks()},
+                    {"predicted_peak_bytes", plan.predicted_peak}}}};
+}
+
+namespace {
+
+// --- state files -------------------------------------------------------------------------
+
+void fsync_path(const fs::path& p) {
+  FILE* f = std::fopen(p.c_str(), "rb");
+  if (f == nullptr) return;
+  ::fsync(fileno(f));
+  std::fclose(f);
+}
+
+void save_state(const fs::path& dir, Workload& w, torch::optim::Optimizer& optimizer,
+                const nlohmann::json& meta) {
+  fs::create_directories(dir);
+  torch::serialize::OutputArchive archive;
+  torch::serialize::OutputArchive model, opt;
+  w.chain->save(model);
+  optimizer.save(opt);
+  archive.write("model", model);
+  archive.write("optimizer", opt);
+  archive.write("meta", c10::IValue(meta.dump()));
+  {
+    auto gen = at::detail::getDefaultCPUGenerator();
+    std::lock_guard<std::mutex> lock(gen.mutex());
+    archive.write("rng_cpu", gen.get_state());
+  }
+  // A temporary file, flushed to disk, then renamed: a kill at any moment leaves the
+  // previous state.pt intact.
+  const fs::path tmp = dir / ("state.pt.tmp" + std::to_string(::getpid()));
+  archive.save_to(tmp.string());
+  fsync_path(tmp);
+  fs::rename(tmp, dir / "state.pt");
+}
+
+nlohmann::json load_state(const fs::path& dir, Workload& w, torch::optim::Optimizer& optimizer,
+                          const std::string& expected_model, int64_t expected_batch) {
+  const fs::path file = dir / "state.pt";
+  if (!fs::exists(file)) {
+    throw std::runtime_error("cannot resume: no saved state in '" + dir.string() + "' (expected " +
+                             file.string() + ")");
+  }
+  torch::serialize::InputArchive archive;
+  nlohmann::json meta;
+  try {
+    archive.load_from(file.string());
+    c10::IValue meta_value;
+    if (!archive.try_read("meta", meta_value)) throw std::runtime_error("no meta record");
+    meta = nlohmann::json::parse(meta_value.toStringRef());
+  } catch (const std::exception& e) {
+    std::string what = e.what();
+    what = what.substr(0, what.find('\n'));
+    throw std::runtime_error("cannot resume: corrupt or truncated state file " + file.string() + " (" + what + ")");
+  }
+  if (meta.value("model", "") != expected_model) {
+    throw std::runtime_error("cannot resume: " + file.string() + " holds '" + meta.value("model", "?") +
+                             "', not '" + expected_model + "' (same model flags needed)");
+  }
+  if (meta.value("batch", int64_t{0}) != expected_batch) {
+    throw std::runtime_error("cannot resume: " + file.string() + " was trained with --batch " +
+                             std::to_string(meta.value("batch", int64_t{0})) + ", not " + std::to_string(expected_batch));
+  }
+  try {
+    torch::serialize::InputArchive model, opt;
+    archive.read("model", model);
+    archive.read("optimizer", opt);
+    w.chain->load(model);
+    optimizer.load(opt);
+    at::Tensor rng;
+    archive.read("rng_cpu", rng);
+    auto gen = at::detail::getDefaultCPUGenerator();
+    std::lock_guard<std::mutex> lock(gen.mutex());
+    gen.set_state(rng);
+  } catch (const c10::Error& e) {
+    std::string what = e.what_without_backtrace();
+    what = what.substr(0, what.find('\n'));
+    throw std::runtime_error("cannot resume: state file " + file.string() + " does not match the model (" + what + ")");
+  }
+  return meta;
+}
+
+// A JSON-lines log written to FILE.tmp and renamed to FILE when the run ends.
+class JsonLog {
+ public:
+  explicit JsonLog(const std::string& path) : path_(path) {
+    if (path_.empty()) return;
+    tmp_ = path_ + ".tmp";
+    out_.open(tmp_);
+    if (!out_) throw std::invalid_argument("invalid --json-log '" + path_ + "': cannot create " + tmp_);
+  }
+  ~JsonLog() {
+    if (out_.is_open()) {  // an interrupted run leaves no half-written log
+      out_.close();
+      std::remove(tmp_.c_str());
+    }
+  }
+  void write(const nlohmann::json& j) {
+    if (out_.is_open()) out_ << j.dump() << "\n";
+  }
+  void commit() {
+    if (!out_.is_open()) return;
+    out_.flush();
+    out_.close();
+    fs::rename(tmp_, path_);
+  }
+
+ private:
+  std::string path_, tmp_;
+  std::ofstream out_;
+};
+
+std::vector<int64_t> grad_versions(const std::vector<at::Tensor>& params) {
+  std::vector<int64_t> v;
+  v.reserve(params.size());
+  for (const auto& p : params) v.push_back(p.grad().defined() ? static_cast<int64_t>(p.grad()._version()) : -1);
+  return v;
+}
+
+}  // namespace
+
+TrainSummary train(const TrainOptions& o, std::ostream& out) {
+  if (o.batch < 1) throw std::invalid_argument("invalid --batch " + std::to_string(o.batch) + ": expected a positive integer");
+  if (o.steps < 1) throw std::invalid_argument("invalid --steps " + std::to_string(o.steps) + ": expected a positive integer");
+  if (o.micro_batch < 0 || o.micro_batch > o.batch) {
+    throw std::invalid_argument("invalid --micro-batch " + std::to_string(o.micro_batch) + ": expected 1 to --batch (" +
+                                std::to_string(o.batch) + ")");
+  }
+  if (o.save_every < 1) throw std::invalid_argument("invalid --save-every " + std::to_string(o.save_every) + ": expected >= 1");
+  if (o.eval_every < 0) throw std::invalid_argument("invalid --eval-every " + std::to_string(o.eval_every) + ": expected >= 0");
+  for (int64_t s : o.inject_oom) {
+    if (s < 1) throw std::invalid_argument("invalid --inject-oom step " + std::to_string(s) + ": steps are numbered from 1");
+  }
+  Precision precision = Precision::kFP32;
+  std::vector<std::string> notes;
+  if (o.precision == "auto") {
+    notes.push_back("precision fp32: auto does not choose bf16 on CPU yet (pass --precision bf16 to use it)");
+  } else {
+    precision = parse_precision(o.precision);
+    std::string why;
+    if (!precision_supported(precision, c10::kCPU, &why)) {
+      throw std::invalid_argument("invalid --precision " + o.precision + ": " + why);
+    }
+  }
+
+  auto& alloc = BudgetAllocator::install();
+  auto tracker = std::make_shared<MemoryTracker>();
+  TrackerScope scope(tracker);
+
+  Workload w = make_workload(o.model);
+  const auto params = w.chain->parameters();
+  int64_t weight_bytes = 0, largest_param = 0;
+  for (const auto& p : params) {
+    weight_bytes += static_cast<int64_t>(p.storage().nbytes());
+    largest_param = std::max<int64_t>(largest_param, static_cast<int64_t>(p.storage().nbytes()));
+  }
+  torch::optim::AdamW optimizer(params, torch::optim::AdamWOptions(o.learning_rate));
+  GradScaler scaler(GradScalerOptions{65536.0, 2.0, 0.5, 2000, precision == Precision::kFP16});
+
+  out << "memfit train: " << w.description << "\n";
+  out << "  " << parameter_count(*w.chain) << " parameters (" << format_bytes(weight_bytes) << "), batch "
+      << o.batch << ", AdamW lr " << o.learning_rate << ", " << at::get_num_threads() << " threads\n";
+
+  // Resume first: the plan and the position come from the saved state.
+  int64_t start_step = 0;
+  nlohmann::json resumed;
+  if (!o.resume_dir.empty()) {
+    resumed = load_state(o.resume_dir, w, optimizer, w.description, o.batch);
+    start_step = resumed.at("step").get<int64_t>();
+    out << "  resumed from " << o.resume_dir << " at step " << start_step << "\n";
+  }
+  at::Tensor rng_after_resume;
+  {
+    auto gen = at::detail::getDefaultCPUGenerator();
+    std::lock_guard<std::mutex> lock(gen.mutex());
+    rng_after_resume = gen.get_state();
+  }
+
+  // --- plan: measure, predict, choose ---
+  TrainPlan plan;
+  plan.precision = precision;
+  plan.notes = notes;
+  const Batch first_batch = w.data->train_batch(start_step, o.batch, o.model.seed);
+  const bool optimizer_state_exists = start_step > 0;
+  const int64_t optimizer_bytes = optimizer_state_exists ? 0 : 2 * weight_bytes;  // AdamW: exp_avg, exp_avg_sq
+  const int64_t base = tracker->current();  // weights (+ state on resume) + the batch
+  auto modes = checkpoint_modes(w, o.checkpoint);
+  struct Candidate {
+    Mode mode;
+    int64_t m;
+    int64_t peak;
+    double seconds;
+  };
+  std::vector<Candidate> candidates;
+  {
+    StepOptions warm;
+    warm.precision = precision;
+    measure(w, *tracker, first_batch, std::max<int64_t>(1, o.batch / 8), warm);  // first-touch costs
+  }
+  for (const Mode& mode : modes) {
+    StepOptions so;
+    so.precision = precision;
+    so.checkpoint = mode.plan;
+    // Two micro-batch sizes, an eighth and a quarter of the batch (at least 1 and 2 samples):
+    // bytes and seconds are fitted linearly in the micro-batch size between and beyond them.
+    const int64_t size_a = std::max<int64_t>(1, o.batch / 8);
+    const int64_t size_b = std::min<int64_t>(o.batch, std::max<int64_t>(size_a + 1, o.batch / 4));
+    const Measure m1 = measure(w, *tracker, first_batch, size_a, so);
+    const Measure m2 = size_b > size_a ? measure(w, *tracker, first_batch, size_b, so) : m1;
+    const Fit bytes = fit_two(size_a, static_cast<double>(m1.bytes), size_b, static_cast<double>(m2.bytes));
+    const Fit secs = fit_two(size_a, m1.seconds, size_b, m2.seconds);
+    std::vector<int64_t> sizes;
+    if (o.micro_batch > 0) {
+      sizes.push_back(o.micro_batch);
+    } else {
+      for (int64_t m = o.batch; m >= 1; m = (m == 1) ? 0 : (m + 1) / 2) sizes.push_back(m);
+    }
+    for (int64_t m : sizes) {
+      const int64_t full = o.batch / m, rest = o.batch % m;
+      const double step_seconds = static_cast<double>(full) * secs.at(static_cast<double>(m)) +
+                                  (rest ? secs.at(static_cast<double>(rest)) : 0.0);
+      // Measured with no gradients present; in a step of several micro-batches (or with
+      // --keep-grads) all gradients already exist while later micro-batches run.
+      const int64_t grads_present = (m < o.batch || o.keep_grads) ? weight_bytes : 0;
+      const int64_t fb_peak = base + optimizer_bytes + grads_present + static_cast<int64_t>(bytes.at(static_cast<double>(m)));
+      // The optimizer step holds weights, gradients, state and AdamW's two temporaries.
+      const int64_t opt_peak = base + optimizer_bytes + weight_bytes + 2 * largest_param;
+      candidates.push_back({mode, m, std::max(fb_peak, opt_peak), step_seconds});
+      if (mode.name == "none" && m == o.batch) {
+        plan.plain_predicted_peak = candidates.back().peak;
+        plan.plain_step_seconds = step_seconds;
+      }
+    }
+  }
+  {
+    auto gen = at::detail::getDefaultCPUGenerator();
+    std::lock_guard<std::mutex> lock(gen.mutex());
+    gen.set_state(rng_after_resume);  // measuring drew dropout masks: training must not notice
+  }
+  if (start_step == 0) torch::manual_seed(o.model.seed);
+
+  const Candidate* smallest = nullptr;
+  for (const auto& c : candidates) {
+    if (smallest == nullptr || c.peak < smallest->peak) smallest = &c;
+  }
+  const auto floor_bytes = static_cast<int64_t>(static_cast<double>(smallest->peak) / (1.0 - kMargin)) + 1;
+  int64_t budget = o.budget_bytes;
+  if (budget == 0) {
+    if (plan.plain_predicted_peak == 0) {
+      throw std::invalid_argument("--budget is required when --checkpoint or --micro-batch exclude the plain step");
+    }
+    // The default lies halfway between the smallest plan and the plain step: the plain step
+    // does not fit, so the plan matters.
+    budget = (floor_bytes + plan.plain_predicted_peak) / 2 >> 10 << 10;
+    plan.notes.push_back("budget " + format_bytes(budget) + ": the default, halfway between the smallest plan (" +
+                         format_bytes(floor_bytes) + ") and the plain step (" + format_bytes(plan.plain_predicted_peak) + ")");
+  }
+  const auto usable = static_cast<int64_t>(static_cast<double>(budget) * (1.0 - kMargin));
+  const Candidate* best = nullptr;
+  for (const auto& c : candidates) {
+    // Ties (within 2%) go to the earlier candidate: larger micro-batches, less recompute.
+    if (c.peak <= usable && (best == nullptr || c.seconds < 0.98 * best->seconds)) best = &c;
+  }
+  if (!resumed.is_null() && resumed.contains("plan")) {
+    // A resumed run continues with the plan it saved (the same micro-batches, the same stream).
+    const auto& p = resumed["plan"];
+    plan.micro_batch = p.at("micro_batch").get<int64_t>();
+    plan.checkpoint_mode = p.at("checkpoint_mode").get<std::string>();
+    plan.checkpoint = CheckpointPlan::of_blocks(p.at("checkpoint").get<std::vector<int>>(), w.chain->size());
+    plan.predicted_peak = p.value("predicted_peak_bytes", int64_t{0});
+  } else {
+    const bool pinned = o.micro_batch > 0 && o.checkpoint != "auto";
+    if (best == nullptr && pinned) {
+      // The user fixed the configuration: run it, and let out-of-memory recovery split.
+      best = &candidates.front();
+      plan.notes.push_back("the pinned configuration is predicted to need " + format_bytes(best->peak) +
+                           ", over the budget: micro-batches will be split when memory runs out");
+    }
+    if (best == nullptr) {
+      const int64_t floor = floor_bytes;
+      throw std::runtime_error("budget " + format_bytes(budget) + " (" + std::to_string(budget) +
+                               " bytes) is below what any plan needs: the smallest budget that works is " +
+                               format_bytes(floor) + " (" + std::to_string(floor) + " bytes; micro-batch " +
+                               std::to_string(smallest->m) + ", checkpoint " + smallest->mode.name + ")");
+    }
+    plan.micro_batch = best->m;
+    plan.checkpoint = best->mode.plan;
+    plan.checkpoint_mode = best->mode.name;
+    plan.predicted_peak = best->peak;
+    plan.predicted_step_seconds = best->seconds;
+  }
+  alloc.set_budget(budget);
+
+  out << "\nPlan for a budget of " << format_bytes(budget) << " (" << budget << " bytes, " << kMargin * 100
+      << "% kept free):\n";
+  out << "  micro-batch " << plan.micro_batch << " x " << (o.batch + plan.micro_batch - 1) / plan.micro_batch
+      << " accumulation steps, precision " << precision_name(plan.precision) << ", recompute "
+      << plan.checkpoint_mode << " (" << plan.checkpoint.describe() << ")\n";
+  out << "  predicted peak " << format_bytes(plan.predicted_peak) << "; the plain step would need "
+      << format_bytes(plan.plain_predicted_peak);
+  if (plan.plain_step_seconds > 0 && plan.predicted_step_seconds > 0) {
+    out << "; predicted step time " << fmt_ratio(plan.predicted_step_seconds / plan.plain_step_seconds) << "x the plain step";
+  }
+  out << "\n";
+  for (const auto& n : plan.notes) out << "  note: " << n << "\n";
+  out << "  budget covers tensor storage (LibTorch's CPU allocator); BLAS/oneDNN workspaces are outside it\n\n";
+
+  JsonLog log(o.json_log);
+  log.write({{"type", "plan"},
+             {"budget_bytes", budget},
+             {"micro_batch", plan.micro_batch},
+             {"precision", precision_name(plan.precision)},
+             {"checkpoint", plan.checkpoint.recomputed_blocks()},
+             {"checkpoint_mode", plan.checkpoint_mode},
+             {"predicted_peak_bytes", plan.predicted_peak},
+             {"plain_predicted_peak_bytes", plan.plain_predicted_peak}});
+
+  // --- train ---
+  StepOptions so;
+  so.precision = plan.precision;
+  so.checkpoint = plan.checkpoint;
+  so.set_to_none = !o.keep_grads;
+  so.scaler = precision == Precision::kFP16 ? &scaler : nullptr;
+  TrainSummary summary;
+  summary.plan = plan;
+  summary.budget_bytes = budget;
+  LeakDetector leaks;
+  tracker->reset_phase_times();
+  const auto run_start = Clock::now();
+  nlohmann::json steps_json = nlohmann::json::array();
+  nlohmann::json last_step_doc;
+  const int64_t report_every = std::max<int64_t>(1, (o.steps - start_step) / 20);
+  const bool tty = o.progress && isatty(fileno(stdout));
+
+  auto eval_now = [&]() {
+    const int64_t count = std::min(o.eval_batches, w.data->eval_batch_count(o.batch));
+    double total = 0;
+    for (int64_t i = 0; i < count; ++i) total += eval_loss(w, w.data->eval_batch(i, o.batch), plan.precision);
+    return count > 0 ? total / static_cast<double>(count) : 0.0;
+  };
+  auto meta_for = [&](int64_t step) {
+    return nlohmann::json{{"version", 1},
+                          {"step", step},
+                          {"batch", o.batch},
+                          {"seed", o.model.seed},
+                          {"model", w.description},
+                          {"parameters", parameter_count(*w.chain)},
+                          {"plan", {{"micro_batch", plan.micro_batch},
+                                    {"checkpoint", plan.checkpoint.recomputed_blocks()},
+                                    {"checkpoint_mode", plan.checkpoint_mode},
+                                    {"predicted_peak_bytes", plan.predicted_peak}}}};
+  };
+
+  for (int64_t step = start_step + 1; step <= o.steps; ++step) {
+    if (auto leak = leaks.observe(step, tracker->current())) {
+      out << (tty ? "\n" : "") << "warning: " << leak->message() << "\n";
+      log.write({{"type", "warning"}, {"leak_bytes_per_step", leak->bytes_per_step}});
+    }
+    const bool last = step == o.steps;
+    tracker->reset_peak();
+    if (last && !o.report_html.empty()) tracker->start_recording();
+    const auto t0 = Clock::now();
+    Batch batch;
+    {
+      PhaseGuard data(Phase::kData);
+      batch = w.data->train_batch(step - 1, o.batch, o.model.seed);
+    }
+    std::deque<MicroBatch> pending;
+    for (const auto& mb : split_batch(o.batch, plan.micro_batch)) pending.push_back(mb);
+    bool inject = std::find(o.inject_oom.begin(), o.inject_oom.end(), step) != o.inject_oom.end();
+    bool real_oom = false;
+    int64_t smallest_ok = plan.micro_batch;
+    double loss = 0;
+    while (!pending.empty()) {
+      const MicroBatch mb = pending.front();
+      const auto versions = grad_versions(params);
+      at::Tensor rng_before;
+      {
+        auto gen = at::detail::getDefaultCPUGenerator();
+        std::lock_guard<std::mutex> lock(gen.mutex());
+        rng_before = gen.get_state();
+      }
+      try {
+        if (inject) alloc.fail_allocation_after(8);  // fails a few allocations into the forward
+        inject = false;
+        loss += forward_backward(w, batch.slice(mb.start, mb.length), mb.weight, so);
+        alloc.fail_allocation_after(0);
+        smallest_ok = std::min(smallest_ok, mb.length);
+        pending.pop_front();
+      } catch (const c10::OutOfMemoryError& e) {
+        alloc.fail_allocation_after(0);
+        ++summary.oom_recoveries;
+        const bool injected = std::string(e.what()).find("(injected)") != std::string::npos;
+        real_oom = real_oom || !injected;
+        {
+          auto gen = at::detail::getDefaultCPUGenerator();
+          std::lock_guard<std::mutex> lock(gen.mutex());
+          gen.set_state(rng_before);  // the failed attempt's draws are taken back
+        }
+        bool redo_step = false;
+        if (grad_versions(params) != versions) {
+          // The failure came after some gradients were accumulated. Those of the step's first
+          // micro-batch are simply dropped; partial sums over earlier micro-batches cannot be
+          // taken back exactly, so then the whole step is redone in smaller micro-batches.
+          const bool none_before = std::all_of(versions.begin(), versions.end(), [](int64_t v) { return v < 0; });
+          zero_grad(params, true);
+          redo_step = !none_before;
+        }
+        if (redo_step && mb.length >= 2) {
+          const int64_t m = mb.length / 2;
+          pending.clear();
+          for (const auto& part : split_batch(o.batch, m)) pending.push_back(part);
+          loss = 0;
+          out << (tty ? "\n" : "") << "out of memory in step " << step
+              << " after gradients were accumulated: redoing the step with micro-batch " << m << "\n";
+          continue;
+        }
+        if (mb.length >= 2) {
+          pending.pop_front();
+          const auto halves = split_in_two(mb, o.batch);
+          pending.push_front(halves[1]);
+          pending.push_front(halves[0]);
+          out << (tty ? "\n" : "") << "out of memory" << (injected ? " (injected)" : "") << " in step " << step
+              << ": micro-batch of " << mb.length << " samples split into " << halves[0].length << " + "
+              << halves[1].length << "\n";
+        } else if (so.checkpoint.recomputed_blocks().size() < static_cast<size_t>(w.chain->size())) {
+          so.checkpoint = CheckpointPlan::all(w.chain->size());
+          plan.checkpoint = so.checkpoint;
+          plan.checkpoint_mode = "all";
+          out << "out of memory at micro-batch 1 in step " << step << ": re-planned to recompute every block\n";
+          if (redo_step) {
+            pending.clear();
+            for (const auto& part : split_batch(o.batch, 1)) pending.push_back(part);
+            loss = 0;
+          }
+        } else {
+          throw std::runtime_error("out of memory in step " + std::to_string(step) +
+                                   " even with micro-batch 1 and every block recomputed: budget " +
+                                   format_bytes(budget) + " is too small for this model (" + e.what_without_backtrace() + ")");
+        }
+      }
+    }
+    KnownStorage known;
+    so.after_optimizer = [&] {
+      if (last && !o.report_html.empty()) {
+        tracker->stop_recording();
+        known = known_storage(params, &optimizer);
+      }
+    };
+    try {
+      optimizer_step(optimizer, so);
+    } catch (const c10::OutOfMemoryError& e) {
+      throw std::runtime_error("out of memory in the optimizer step of step " + std::to_string(step) +
+                               ": budget " + format_bytes(budget) + " cannot hold weights, gradients and " +
+                               "AdamW state (" + format_bytes(4 * weight_bytes) + ") plus its temporaries");
+    }
+    so.after_optimizer = nullptr;
+    if (real_oom && smallest_ok < plan.micro_batch) {
+      out << (tty ? "\n" : "") << "re-plan: micro-batch " << plan.micro_batch << " -> " << smallest_ok
+          << " after a real out-of-memory error\n";
+      plan.micro_batch = smallest_ok;
+    }
+    const double secs = seconds_since(t0);
+    const int64_t peak = tracker->peak();
+    summary.peak_bytes = std::max(summary.peak_bytes, peak);
+    summary.samples += o.batch;
+    summary.losses.push_back(loss);
+    summary.final_loss = loss;
+    summary.steps = step;
+    nlohmann::json sj{{"type", "step"},  {"step", step},          {"loss", loss},
+                      {"samples", o.batch}, {"seconds", secs},      {"live_bytes", tracker->current()},
+                      {"peak_bytes", peak}, {"oom_recoveries", summary.oom_recoveries}};
+    if (o.eval_every > 0 && (step % o.eval_every == 0 || last)) {
+      summary.eval_loss = eval_now();
+      sj["eval_loss"] = summary.eval_loss;
+    }
+    log.write(sj);
+    steps_json.push_back({{"step", step}, {"loss", loss}, {"live_bytes", tracker->current()}, {"peak_bytes", peak}});
+    if (sj.contains("eval_loss")) steps_json.back()["eval_loss"] = summary.eval_loss;
+    if (o.progress && (tty || step % report_every == 0 || last || sj.contains("eval_loss"))) {
+      const double per_sec = static_cast<double>(o.batch * w.sample_tokens) / secs;
+      const int width = 24;
+      const int filled = static_cast<int>(width * (step - start_step) / std::max<int64_t>(1, o.steps - start_step));
+      char line[512];
+      std::snprintf(line, sizeof line, "%s[%s%s] step %lld/%lld  loss %.4f%s  %.0f %s/s  live %s  peak %s / %s",
+                    tty ? "\r" : "", std::string(static_cast<size_t>(filled), '#').c_str(),
+                    std::string(static_cast<size_t>(width - filled), '.').c_str(), static_cast<long long>(step),
+                    static_cast<long long>(o.steps), loss,
+                    sj.contains("eval_loss") ? (std::string("  eval ") + std::to_string(summary.eval_loss).substr(0, 6)).c_str() : "",
+                    per_sec, w.sample_tokens > 1 ? "tok" : "samples", format_bytes(tracker->current()).c_str(),
+                    format_bytes(peak).c_str(), format_bytes(budget).c_str());
+      out << line << (tty ? "" : "\n") << std::flush;
+    }
+    if (!o.save_dir.empty() && (step % o.save_every == 0 || last)) save_state(o.save_dir, w, optimizer, meta_for(step));
+    if (last && !o.report_html.empty()) {
+      StepAnalysis a = analyze_step(*tracker, known, w.chain->size());
+      nlohmann::json d;
+      d["title"] = "memfit train: " + w.description;
+      d["device"] = "cpu";
+      d["budget_bytes"] = budget;
+      d["peak_bytes"] = a.peak_bytes;
+      d["peak_time_us"] = a.peak_t_ns / 1000;
+      d["categories"] = {"weights", "gradients", "optimizer_state", "activations", "other"};
+      d["at_peak"] = {{"weights", a.at_peak.weights}, {"gradients", a.at_peak.gradients},
+                      {"optimizer_state", a.at_peak.optimizer_state}, {"activations", a.at_peak.activations},
+                      {"other", a.at_peak.other}};
+      nlohmann::json tl = nlohmann::json::array();
+      for (const auto& p : a.timeline) {
+        tl.push_back({{"t_us", p.t_ns / 1000}, {"phase", phase_name(p.phase)}, {"weights", p.live.weights},
+                      {"gradients", p.live.gradients}, {"optimizer_state", p.live.optimizer_state},
+                      {"activations", p.live.activations}, {"other", p.live.other}});
+      }
+      d["timeline"] = tl;
+      nlohmann::json ph = nlohmann::json::array();
+      for (const auto& s : a.phases) {
+        ph.push_back({{"name", phase_name(s.phase)}, {"start_us", s.start_ns / 1000}, {"end_us", s.end_ns / 1000},
+                      {"peak_bytes", s.peak_bytes}});
+      }
+      d["phases"] = ph;
+      nlohmann::json blocks = nlohmann::json::array();
+      for (int i = 0; i < w.chain->size(); ++i) {
+        blocks.push_back({{"name", w.chain->block(i).name},
+                          {"activation_bytes", a.block_activation_bytes.at(static_cast<size_t>(i))},
+                          {"recomputed", plan.checkpoint.recomputes(i)}});
+      }
+      d["blocks"] = blocks;
+      last_step_doc = d;
+    }
+  }
+  if (tty) out << "\n";
+  summary.weights_sha256 = weights_sha256(*w.chain);
+  summary.plan = plan;
+
+  // --- summary ---
+  const double total = seconds_since(run_start);
+  out << "\nSummary: " << (summary.steps - start_step) << " steps, " << summary.samples << " samples in "
+      << fmt_ratio(total) << " s; final loss " << summary.final_loss;
+  if (o.eval_every > 0) out << ", held-out loss " << summary.eval_loss;
+  out << "\n  peak " << format_bytes(summary.peak_bytes) << " (" << summary.peak_bytes << " bytes) of a "
+      << format_bytes(budget) << " budget; out-of-memory recoveries: " << summary.oom_recoveries << "\n";
+  out << "  memory: weights " << format_bytes(weight_bytes) << ", gradients " << format_bytes(weight_bytes)
+      << " (during backward), optimizer state " << format_bytes(2 * weight_bytes) << ", activations and the rest up to the peak\n";
+  out << "  time per phase:";
+  const Phase phases[] = {Phase::kData, Phase::kForward, Phase::kBackward, Phase::kRecompute, Phase::kOptimizer, Phase::kEval};
+  double phase_total = 0;
+  for (Phase p : phases) phase_total += static_cast<double>(tracker->phase_time_ns(p));
+  nlohmann::json profile;
+  for (Phase p : phases) {
+    const double s = static_cast<double>(tracker->phase_time_ns(p)) / 1e9;
+    profile[phase_name(p)] = s;
+    out << " " << phase_name(p) << " " << fmt_ratio(s) << " s (" << fmt_ratio(100.0 * s * 1e9 / std::max(phase_total, 1.0)) << "%)";
+  }
+  out << "\n";
+  log.write({{"type", "profile"}, {"seconds", profile}});
+  if (!o.report_html.empty() && !last_step_doc.is_null()) {
+    nlohmann::json rows = nlohmann::json::array();
+    rows.push_back({"budget", format_bytes(budget)});
+    rows.push_back({"micro-batch x accumulation", std::to_string(plan.micro_batch) + " x " +
+                                                    std::to_string((o.batch + plan.micro_batch - 1) / plan.micro_batch)});
+    rows.push_back({"precision", precision_name(plan.precision)});
+    rows.push_back({"recomputed blocks", plan.checkpoint_mode + " (" + plan.checkpoint.describe() + ")"});
+    rows.push_back({"predicted peak", format_bytes(plan.predicted_peak)});
+    rows.push_back({"measured peak (run)", format_bytes(summary.peak_bytes)});
+    rows.push_back({"plain step, predicted", format_bytes(plan.plain_predicted_peak)});
+    last_step_doc["plan"] = {{"rows", rows}};
+    last_step_doc["steps"] = steps_json;
+    write_html_report(o.report_html, last_step_doc);
+    out << "  report: " << o.report_html << "\n";
+  }
+  log.write(summary.json());
+  log.commit();
+  return summary;
+}
+
+}  // namespace memfit
