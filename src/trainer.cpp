@@ -120,6 +120,15 @@ nlohmann::json TrainSummary::json() const {
           {"eval_loss", eval_loss},     {"peak_bytes", peak_bytes},
           {"budget_bytes", budget_bytes}, {"oom_recoveries", oom_recoveries},
           {"weights_sha256", weights_sha256},
+          {"world_size", world_size},   {"zero_stage", zero_stage},
+          {"ranks", [this] {
+             auto a = nlohmann::json::array();
+             for (const auto& r : ranks) {
+               a.push_back({{"rank", r.rank}, {"weights", r.weights}, {"gradients", r.gradients},
+                            {"optimizer_state", r.optimizer_state}});
+             }
+             return a;
+           }()},
           {"plan", {{"micro_batch", plan.micro_batch},
                     {"precision", precision_name(plan.precision)},
                     {"checkpoint", plan.checkpoint.recomputed_blocks()},
@@ -236,6 +245,16 @@ class JsonLog {
   std::ofstream out_;
 };
 
+// Every parameter as raw float32, in order: for comparing runs within a tolerance.
+void dump_weights(const std::string& path, const std::vector<at::Tensor>& params) {
+  std::ofstream f(path, std::ios::binary);
+  if (!f) throw std::invalid_argument("invalid --dump-weights '" + path + "': cannot create it");
+  for (const auto& p : params) {
+    const at::Tensor c = p.detach().to(at::kFloat).contiguous();
+    f.write(static_cast<const char*>(c.data_ptr()), static_cast<std::streamsize>(c.numel() * 4));
+  }
+}
+
 std::vector<int64_t> grad_versions(const std::vector<at::Tensor>& params) {
   std::vector<int64_t> v;
   v.reserve(params.size());
@@ -245,7 +264,15 @@ std::vector<int64_t> grad_versions(const std::vector<at::Tensor>& params) {
 
 }  // namespace
 
-TrainSummary train(const TrainOptions& o, std::ostream& out) {
+TrainSummary train(const TrainOptions& options, std::ostream& out) {
+  // Ranks hold equal weights: rank 0 alone writes the log, the report and the weights dump.
+  TrainOptions o = options;
+  const bool primary = o.distributed.rank == 0;
+  if (!primary) {
+    o.json_log.clear();
+    o.report_html.clear();
+    o.dump_weights.clear();
+  }
   if (o.batch < 1) throw std::invalid_argument("invalid --batch " + std::to_string(o.batch) + ": expected a positive integer");
   if (o.steps < 1) throw std::invalid_argument("invalid --steps " + std::to_string(o.steps) + ": expected a positive integer");
   if (o.micro_batch < 0 || o.micro_batch > o.batch) {
@@ -269,9 +296,26 @@ TrainSummary train(const TrainOptions& o, std::ostream& out) {
     }
   }
 
+  validate(o.distributed);
+  const int world = o.distributed.world_size;
+  if (o.batch < world) {
+    throw std::invalid_argument("invalid --batch " + std::to_string(o.batch) + ": each of the " + std::to_string(world) +
+                                " ranks needs at least one sample");
+  }
+  const BatchSlice local = rank_slice(o.batch, o.distributed.rank, world);  // this rank's samples
+  if (o.micro_batch > local.length) {
+    throw std::invalid_argument("invalid --micro-batch " + std::to_string(o.micro_batch) + ": expected 1 to this rank's share of --batch (" +
+                                std::to_string(local.length) + " of " + std::to_string(o.batch) + " over " + std::to_string(world) + " ranks)");
+  }
+  if (world > 1 && o.distributed.zero_stage > 0 && precision == Precision::kFP16) {
+    throw std::invalid_argument("--precision fp16 with --zero 1 or 2 is not supported: the loss scaler's overflow check would see one shard only");
+  }
+
   auto& alloc = BudgetAllocator::install();
   auto tracker = std::make_shared<MemoryTracker>();
   TrackerScope scope(tracker);
+  std::unique_ptr<DistributedContext> context;  // first: a bad --master fails before any work
+  if (world > 1) context = std::make_unique<DistributedContext>(o.distributed);
 
   Workload w = make_workload(o.model);
   const auto params = w.chain->parameters();
@@ -280,18 +324,40 @@ TrainSummary train(const TrainOptions& o, std::ostream& out) {
     weight_bytes += static_cast<int64_t>(p.storage().nbytes());
     largest_param = std::max<int64_t>(largest_param, static_cast<int64_t>(p.storage().nbytes()));
   }
-  torch::optim::AdamW optimizer(params, torch::optim::AdamWOptions(o.learning_rate));
+  std::unique_ptr<ShardedDataParallel> sdp;
+  if (context) {
+    sdp = std::make_unique<ShardedDataParallel>(*context, params, o.distributed.zero_stage);
+    context->check_same_on_all_ranks({{"--batch", o.batch}, {"--steps", o.steps}, {"--seed", static_cast<int64_t>(o.model.seed)},
+                                      {"--save (given or not)", o.save_dir.empty() ? 0 : 1}, {"--save-every", o.save_every},
+                                      {"--resume (given or not)", o.resume_dir.empty() ? 0 : 1}});
+    largest_param = sdp->largest_optimized_parameter_bytes();  // AdamW's temporaries: this rank's parameters only
+  }
+  const bool sharded_optimizer = sdp && sdp->zero_stage() > 0;
+  torch::optim::AdamW optimizer(sdp ? sdp->optimized_parameters() : params, torch::optim::AdamWOptions(o.learning_rate));
   GradScaler scaler(GradScalerOptions{65536.0, 2.0, 0.5, 2000, precision == Precision::kFP16});
 
   out << "memfit train: " << w.description << "\n";
   out << "  " << parameter_count(*w.chain) << " parameters (" << format_bytes(weight_bytes) << "), batch "
       << o.batch << ", AdamW lr " << o.learning_rate << ", " << at::get_num_threads() << " threads\n";
+  if (sdp) {
+    out << "  rank " << sdp->rank() << " of " << world << " (" << context->backend_name() << " via " << o.distributed.master
+        << "), ZeRO stage " << sdp->zero_stage() << ": samples " << local.start << " to " << local.start + local.length - 1
+        << " of each batch; AdamW over " << format_bytes(sdp->zero_stage() > 0 ? sdp->owned_bytes() : weight_bytes)
+        << " of the parameters\n";
+  }
 
   // Resume first: the plan and the position come from the saved state.
   int64_t start_step = 0;
   nlohmann::json resumed;
   if (!o.resume_dir.empty()) {
-    resumed = load_state(o.resume_dir, w, optimizer, w.description, o.batch);
+    if (sharded_optimizer) {
+      // The file holds the whole AdamW state (the single-process format): keep this rank's share.
+      torch::optim::AdamW full(params, torch::optim::AdamWOptions(o.learning_rate));
+      resumed = load_state(o.resume_dir, w, full, w.description, o.batch);
+      sdp->keep_owned_state(full, optimizer);
+    } else {
+      resumed = load_state(o.resume_dir, w, optimizer, w.description, o.batch);
+    }
     start_step = resumed.at("step").get<int64_t>();
     out << "  resumed from " << o.resume_dir << " at step " << start_step << "\n";
   }
@@ -306,9 +372,14 @@ TrainSummary train(const TrainOptions& o, std::ostream& out) {
   TrainPlan plan;
   plan.precision = precision;
   plan.notes = notes;
-  const Batch first_batch = w.data->train_batch(start_step, o.batch, o.model.seed);
+  const Batch first_batch = w.data->train_batch(start_step, o.batch, o.model.seed).slice(local.start, local.length);
   const bool optimizer_state_exists = start_step > 0;
-  const int64_t optimizer_bytes = optimizer_state_exists ? 0 : 2 * weight_bytes;  // AdamW: exp_avg, exp_avg_sq
+  // Per rank: AdamW's exp_avg and exp_avg_sq for the parameters this rank steps, and the
+  // gradients kept through the optimizer step (only this rank's share at ZeRO stage 2).
+  const RankStateBytes rank_state = sdp ? sdp->predicted_state_bytes() : RankStateBytes{weight_bytes, weight_bytes, 2 * weight_bytes};
+  const int64_t optimizer_bytes = optimizer_state_exists ? 0 : rank_state.optimizer_state;
+  // Saving gathers the whole AdamW state on rank 0 of a sharded run.
+  const int64_t gathered_state_bytes = sharded_optimizer && primary && !o.save_dir.empty() ? 2 * weight_bytes - rank_state.optimizer_state : 0;
   const int64_t base = tracker->current();  // weights (+ state on resume) + the batch
   auto modes = checkpoint_modes(w, o.checkpoint);
   struct Candidate {
@@ -321,7 +392,7 @@ TrainSummary train(const TrainOptions& o, std::ostream& out) {
   {
     StepOptions warm;
     warm.precision = precision;
-    measure(w, *tracker, first_batch, std::max<int64_t>(1, o.batch / 8), warm);  // first-touch costs
+    measure(w, *tracker, first_batch, std::max<int64_t>(1, local.length / 8), warm);  // first-touch costs
   }
   for (const Mode& mode : modes) {
     StepOptions so;
@@ -329,8 +400,8 @@ TrainSummary train(const TrainOptions& o, std::ostream& out) {
     so.checkpoint = mode.plan;
     // Two micro-batch sizes, an eighth and a quarter of the batch (at least 1 and 2 samples):
     // bytes and seconds are fitted linearly in the micro-batch size between and beyond them.
-    const int64_t size_a = std::max<int64_t>(1, o.batch / 8);
-    const int64_t size_b = std::min<int64_t>(o.batch, std::max<int64_t>(size_a + 1, o.batch / 4));
+    const int64_t size_a = std::max<int64_t>(1, local.length / 8);
+    const int64_t size_b = std::min<int64_t>(local.length, std::max<int64_t>(size_a + 1, local.length / 4));
     const Measure m1 = measure(w, *tracker, first_batch, size_a, so);
     const Measure m2 = size_b > size_a ? measure(w, *tracker, first_batch, size_b, so) : m1;
     const Fit bytes = fit_two(size_a, static_cast<double>(m1.bytes), size_b, static_cast<double>(m2.bytes));
@@ -339,20 +410,21 @@ TrainSummary train(const TrainOptions& o, std::ostream& out) {
     if (o.micro_batch > 0) {
       sizes.push_back(o.micro_batch);
     } else {
-      for (int64_t m = o.batch; m >= 1; m = (m == 1) ? 0 : (m + 1) / 2) sizes.push_back(m);
+      for (int64_t m = local.length; m >= 1; m = (m == 1) ? 0 : (m + 1) / 2) sizes.push_back(m);
     }
     for (int64_t m : sizes) {
-      const int64_t full = o.batch / m, rest = o.batch % m;
+      const int64_t full = local.length / m, rest = local.length % m;
       const double step_seconds = static_cast<double>(full) * secs.at(static_cast<double>(m)) +
                                   (rest ? secs.at(static_cast<double>(rest)) : 0.0);
       // Measured with no gradients present; in a step of several micro-batches (or with
       // --keep-grads) all gradients already exist while later micro-batches run.
-      const int64_t grads_present = (m < o.batch || o.keep_grads) ? weight_bytes : 0;
+      const int64_t grads_present = m < local.length ? weight_bytes : (o.keep_grads ? rank_state.gradients : 0);
       const int64_t fb_peak = base + optimizer_bytes + grads_present + static_cast<int64_t>(bytes.at(static_cast<double>(m)));
       // The optimizer step holds weights, gradients, state and AdamW's two temporaries.
-      const int64_t opt_peak = base + optimizer_bytes + weight_bytes + 2 * largest_param;
-      candidates.push_back({mode, m, std::max(fb_peak, opt_peak), step_seconds});
-      if (mode.name == "none" && m == o.batch) {
+      const int64_t opt_peak = base + optimizer_bytes + rank_state.gradients + 2 * largest_param;
+      const int64_t save_peak = base + optimizer_bytes + gathered_state_bytes + (o.keep_grads ? rank_state.gradients : 0);
+      candidates.push_back({mode, m, std::max({fb_peak, opt_peak, save_peak}), step_seconds});
+      if (mode.name == "none" && m == local.length) {
         plan.plain_predicted_peak = candidates.back().peak;
         plan.plain_step_seconds = step_seconds;
       }
@@ -419,7 +491,7 @@ TrainSummary train(const TrainOptions& o, std::ostream& out) {
 
   out << "\nPlan for a budget of " << format_bytes(budget) << " (" << budget << " bytes, " << kMargin * 100
       << "% kept free):\n";
-  out << "  micro-batch " << plan.micro_batch << " x " << (o.batch + plan.micro_batch - 1) / plan.micro_batch
+  out << "  micro-batch " << plan.micro_batch << " x " << (local.length + plan.micro_batch - 1) / plan.micro_batch
       << " accumulation steps, precision " << precision_name(plan.precision) << ", recompute "
       << plan.checkpoint_mode << " (" << plan.checkpoint.describe() << ")\n";
   out << "  predicted peak " << format_bytes(plan.predicted_peak) << "; the plain step would need "
@@ -429,7 +501,8 @@ TrainSummary train(const TrainOptions& o, std::ostream& out) {
   }
   out << "\n";
   for (const auto& n : plan.notes) out << "  note: " << n << "\n";
-  out << "  budget covers tensor storage (LibTorch's CPU allocator); BLAS/oneDNN workspaces are outside it\n\n";
+  out << "  budget covers tensor storage (LibTorch's CPU allocator); BLAS/oneDNN workspaces are outside it\n\n"
+      << std::flush;  // the plan shows before training starts, also through a pipe (memfit launch)
 
   JsonLog log(o.json_log);
   log.write({{"type", "plan"},
@@ -477,6 +550,16 @@ TrainSummary train(const TrainOptions& o, std::ostream& out) {
                                     {"predicted_peak_bytes", plan.predicted_peak}}}};
   };
 
+  // This rank's micro-batches, each weighted by its share of the global batch: with the
+  // gradients SUM-reduced over the ranks, a step equals one process taking the whole batch.
+  auto split_local = [&](int64_t m) {
+    auto parts = split_batch(local.length, m);
+    for (auto& part : parts) part.weight = static_cast<double>(part.length) / static_cast<double>(o.batch);
+    return parts;
+  };
+  RankState own_state;
+  own_state.rank = o.distributed.rank;
+
   for (int64_t step = start_step + 1; step <= o.steps; ++step) {
     if (auto leak = leaks.observe(step, tracker->current())) {
       out << (tty ? "\n" : "") << "warning: " << leak->message() << "\n";
@@ -489,16 +572,30 @@ TrainSummary train(const TrainOptions& o, std::ostream& out) {
     Batch batch;
     {
       PhaseGuard data(Phase::kData);
-      batch = w.data->train_batch(step - 1, o.batch, o.model.seed);
+      batch = w.data->train_batch(step - 1, o.batch, o.model.seed).slice(local.start, local.length);
     }
-    std::deque<MicroBatch> pending;
-    for (const auto& mb : split_batch(o.batch, plan.micro_batch)) pending.push_back(mb);
+    // Each pending micro-batch may be marked to recompute every block: gradients with
+    // recomputation are bit-equal to plain ones, so that is the first, exact, answer to an
+    // out-of-memory error; splitting in two comes next.
+    struct Pending {
+      MicroBatch mb;
+      bool recompute_all;
+    };
+    std::deque<Pending> pending;
+    for (const auto& mb : split_local(plan.micro_batch)) pending.push_back({mb, false});
     bool inject = std::find(o.inject_oom.begin(), o.inject_oom.end(), step) != o.inject_oom.end();
     bool real_oom = false;
     int64_t smallest_ok = plan.micro_batch;
     double loss = 0;
+    const CheckpointPlan all_blocks = CheckpointPlan::all(w.chain->size());
+    auto restart_step = [&](int64_t m, bool recompute_all) {
+      pending.clear();
+      for (const auto& mb : split_local(m)) pending.push_back({mb, recompute_all});
+      loss = 0;
+    };
     while (!pending.empty()) {
-      const MicroBatch mb = pending.front();
+      const Pending current = pending.front();
+      const MicroBatch& mb = current.mb;
       const auto versions = grad_versions(params);
       at::Tensor rng_before;
       {
@@ -509,7 +606,9 @@ TrainSummary train(const TrainOptions& o, std::ostream& out) {
       try {
         if (inject) alloc.fail_allocation_after(8);  // fails a few allocations into the forward
         inject = false;
-        loss += forward_backward(w, batch.slice(mb.start, mb.length), mb.weight, so);
+        StepOptions attempt = so;
+        if (current.recompute_all) attempt.checkpoint = all_blocks;
+        loss += forward_backward(w, batch.slice(mb.start, mb.length), mb.weight, attempt);
         alloc.fail_allocation_after(0);
         smallest_ok = std::min(smallest_ok, mb.length);
         pending.pop_front();
@@ -518,47 +617,45 @@ TrainSummary train(const TrainOptions& o, std::ostream& out) {
         ++summary.oom_recoveries;
         const bool injected = std::string(e.what()).find("(injected)") != std::string::npos;
         real_oom = real_oom || !injected;
+        const std::string what = injected ? "out of memory (injected)" : "out of memory";
+        const char* nl = tty ? "\n" : "";
         {
           auto gen = at::detail::getDefaultCPUGenerator();
           std::lock_guard<std::mutex> lock(gen.mutex());
-          gen.set_state(rng_before);  // the failed attempt's draws are taken back
+          gen.set_state(rng_before);  // the failed attempt's random draws are taken back
         }
-        bool redo_step = false;
         if (grad_versions(params) != versions) {
-          // The failure came after some gradients were accumulated. Those of the step's first
-          // micro-batch are simply dropped; partial sums over earlier micro-batches cannot be
-          // taken back exactly, so then the whole step is redone in smaller micro-batches.
+          // The failure came after gradients were accumulated. The first micro-batch's are
+          // simply dropped; partial sums over earlier micro-batches cannot be taken back
+          // exactly, so then the whole step is redone.
           const bool none_before = std::all_of(versions.begin(), versions.end(), [](int64_t v) { return v < 0; });
           zero_grad(params, true);
-          redo_step = !none_before;
-        }
-        if (redo_step && mb.length >= 2) {
-          const int64_t m = mb.length / 2;
-          pending.clear();
-          for (const auto& part : split_batch(o.batch, m)) pending.push_back(part);
-          loss = 0;
-          out << (tty ? "\n" : "") << "out of memory in step " << step
-              << " after gradients were accumulated: redoing the step with micro-batch " << m << "\n";
-          continue;
-        }
-        if (mb.length >= 2) {
-          pending.pop_front();
-          const auto halves = split_in_two(mb, o.batch);
-          pending.push_front(halves[1]);
-          pending.push_front(halves[0]);
-          out << (tty ? "\n" : "") << "out of memory" << (injected ? " (injected)" : "") << " in step " << step
-              << ": micro-batch of " << mb.length << " samples split into " << halves[0].length << " + "
-              << halves[1].length << "\n";
-        } else if (so.checkpoint.recomputed_blocks().size() < static_cast<size_t>(w.chain->size())) {
-          so.checkpoint = CheckpointPlan::all(w.chain->size());
-          plan.checkpoint = so.checkpoint;
-          plan.checkpoint_mode = "all";
-          out << "out of memory at micro-batch 1 in step " << step << ": re-planned to recompute every block\n";
-          if (redo_step) {
-            pending.clear();
-            for (const auto& part : split_batch(o.batch, 1)) pending.push_back(part);
-            loss = 0;
+          if (!none_before) {
+            if (!current.recompute_all) {
+              restart_step(mb.length, true);
+              out << nl << what << " in step " << step << " after gradients were accumulated: redoing the step, recomputing every block\n";
+            } else if (mb.length >= 2) {
+              restart_step(mb.length / 2, false);
+              out << nl << what << " in step " << step << " after gradients were accumulated: redoing the step with micro-batch " << mb.length / 2 << "\n";
+            } else {
+              throw std::runtime_error("out of memory in step " + std::to_string(step) +
+                                       " even with micro-batch 1 and every block recomputed: budget " +
+                                       format_bytes(budget) + " is too small for this model");
+            }
+            continue;
           }
+        }
+        pending.pop_front();
+        if (!current.recompute_all && so.checkpoint.recomputed_blocks().size() < static_cast<size_t>(w.chain->size())) {
+          pending.push_front({mb, true});
+          out << nl << what << " in step " << step << ": redoing the micro-batch of " << mb.length
+              << " samples with every block recomputed\n";
+        } else if (mb.length >= 2) {
+          const auto halves = split_in_two(mb, o.batch);
+          pending.push_front({halves[1], false});
+          pending.push_front({halves[0], false});
+          out << nl << what << " in step " << step << ": micro-batch of " << mb.length << " samples split into "
+              << halves[0].length << " + " << halves[1].length << "\n";
         } else {
           throw std::runtime_error("out of memory in step " + std::to_string(step) +
                                    " even with micro-batch 1 and every block recomputed: budget " +
@@ -566,11 +663,23 @@ TrainSummary train(const TrainOptions& o, std::ostream& out) {
         }
       }
     }
+    if (sdp) {
+      sdp->reduce_gradients();
+      const at::Tensor total = at::tensor({loss}, at::kDouble);
+      context->all_reduce_sum(total, "summing the loss");
+      loss = total.item<double>();  // the global batch's mean loss
+    }
     KnownStorage known;
     so.after_optimizer = [&] {
       if (last && !o.report_html.empty()) {
         tracker->stop_recording();
         known = known_storage(params, &optimizer);
+      }
+      if (last) {  // this rank's state bytes, while gradients and optimizer state are all present
+        const Categories live = classify_live(*tracker, known_storage(params, &optimizer));
+        own_state.weights = live.weights;
+        own_state.gradients = live.gradients;
+        own_state.optimizer_state = live.optimizer_state;
       }
     };
     try {
@@ -581,10 +690,19 @@ TrainSummary train(const TrainOptions& o, std::ostream& out) {
                                "AdamW state (" + format_bytes(4 * weight_bytes) + ") plus its temporaries");
     }
     so.after_optimizer = nullptr;
-    if (real_oom && smallest_ok < plan.micro_batch) {
-      out << (tty ? "\n" : "") << "re-plan: micro-batch " << plan.micro_batch << " -> " << smallest_ok
-          << " after a real out-of-memory error\n";
-      plan.micro_batch = smallest_ok;
+    if (sdp) sdp->finish_step(so.set_to_none);  // owners broadcast the updated parameters
+    if (real_oom) {
+      // A real out-of-memory error is likely to repeat: the following steps use what worked.
+      if (smallest_ok < plan.micro_batch) {
+        out << (tty ? "\n" : "") << "re-plan: micro-batch " << plan.micro_batch << " -> " << smallest_ok
+            << " after a real out-of-memory error\n";
+        plan.micro_batch = smallest_ok;
+      } else if (so.checkpoint.recomputed_blocks().size() < static_cast<size_t>(w.chain->size())) {
+        out << (tty ? "\n" : "") << "re-plan: recompute every block after a real out-of-memory error\n";
+        so.checkpoint = all_blocks;
+        plan.checkpoint = all_blocks;
+        plan.checkpoint_mode = "all";
+      }
     }
     const double secs = seconds_since(t0);
     const int64_t peak = tracker->peak();
@@ -617,7 +735,16 @@ TrainSummary train(const TrainOptions& o, std::ostream& out) {
                     format_bytes(peak).c_str(), format_bytes(budget).c_str());
       out << line << (tty ? "" : "\n") << std::flush;
     }
-    if (!o.save_dir.empty() && (step % o.save_every == 0 || last)) save_state(o.save_dir, w, optimizer, meta_for(step));
+    if (!o.save_dir.empty() && (step % o.save_every == 0 || last)) {
+      if (sharded_optimizer) {
+        // Rank 0 saves the whole AdamW state, gathered from its owners: the single-process format.
+        torch::optim::AdamW full(params, torch::optim::AdamWOptions(o.learning_rate));
+        sdp->gather_optimizer_state(optimizer, full);
+        if (primary) save_state(o.save_dir, w, full, meta_for(step));
+      } else if (primary) {
+        save_state(o.save_dir, w, optimizer, meta_for(step));
+      }
+    }
     if (last && !o.report_html.empty()) {
       StepAnalysis a = analyze_step(*tracker, known, w.chain->size());
       nlohmann::json d;
@@ -655,6 +782,18 @@ TrainSummary train(const TrainOptions& o, std::ostream& out) {
   }
   if (tty) out << "\n";
   summary.weights_sha256 = weights_sha256(*w.chain);
+  if (!o.dump_weights.empty()) dump_weights(o.dump_weights, params);
+  summary.world_size = world;
+  summary.zero_stage = o.distributed.zero_stage;
+  if (context) {
+    const auto all = context->all_gather({own_state.weights, own_state.gradients, own_state.optimizer_state}, "gathering state bytes");
+    for (int r = 0; r < world; ++r) {
+      const auto& v = all[static_cast<size_t>(r)];
+      summary.ranks.push_back({r, v[0], v[1], v[2]});
+    }
+  } else {
+    summary.ranks.push_back(own_state);
+  }
   summary.plan = plan;
 
   // --- summary ---
@@ -664,8 +803,12 @@ TrainSummary train(const TrainOptions& o, std::ostream& out) {
   if (o.eval_every > 0) out << ", held-out loss " << summary.eval_loss;
   out << "\n  peak " << format_bytes(summary.peak_bytes) << " (" << summary.peak_bytes << " bytes) of a "
       << format_bytes(budget) << " budget; out-of-memory recoveries: " << summary.oom_recoveries << "\n";
-  out << "  memory: weights " << format_bytes(weight_bytes) << ", gradients " << format_bytes(weight_bytes)
-      << " (during backward), optimizer state " << format_bytes(2 * weight_bytes) << ", activations and the rest up to the peak\n";
+  out << "  state at the optimizer step" << (sdp ? " per rank (ZeRO stage " + std::to_string(sdp->zero_stage()) + ")" : "")
+      << "; activations and the rest come on top, up to the peak:\n";
+  for (const auto& r : summary.ranks) {
+    out << "    " << (sdp ? "rank " + std::to_string(r.rank) + ": " : "") << "weights " << format_bytes(r.weights) << ", gradients "
+        << format_bytes(r.gradients) << ", optimizer state " << format_bytes(r.optimizer_state) << "\n";
+  }
   out << "  time per phase:";
   const Phase phases[] = {Phase::kData, Phase::kForward, Phase::kBackward, Phase::kRecompute, Phase::kOptimizer, Phase::kEval};
   double phase_total = 0;
@@ -682,7 +825,7 @@ TrainSummary train(const TrainOptions& o, std::ostream& out) {
     nlohmann::json rows = nlohmann::json::array();
     rows.push_back({"budget", format_bytes(budget)});
     rows.push_back({"micro-batch x accumulation", std::to_string(plan.micro_batch) + " x " +
-                                                    std::to_string((o.batch + plan.micro_batch - 1) / plan.micro_batch)});
+                                                    std::to_string((local.length + plan.micro_batch - 1) / plan.micro_batch)});
     rows.push_back({"precision", precision_name(plan.precision)});
     rows.push_back({"recomputed blocks", plan.checkpoint_mode + " (" + plan.checkpoint.describe() + ")"});
     rows.push_back({"predicted peak", format_bytes(plan.predicted_peak)});

@@ -20,6 +20,7 @@
 
 #include "memfit/autocast.h"
 #include "memfit/chain.h"
+#include "memfit/distributed.h"
 #include "memfit/workload.h"
 
 namespace memfit {
@@ -43,6 +44,18 @@ struct TrainOptions {
   std::string json_log;
   std::string report_html;          // empty: no HTML report
   bool progress = true;
+  // world_size > 1: this process is one rank of data-parallel training over the global
+  // `batch` (see distributed.h); rank 0 alone writes the log, the report and saved state.
+  DistributedOptions distributed;
+  std::string dump_weights;         // testing: all parameters as raw float32, in order (rank 0)
+};
+
+// Bytes of the training state on one rank, measured at the last optimizer step.
+struct RankState {
+  int rank = 0;
+  int64_t weights = 0;
+  int64_t gradients = 0;
+  int64_t optimizer_state = 0;
 };
 
 struct TrainPlan {
@@ -68,6 +81,9 @@ struct TrainSummary {
   std::string weights_sha256;
   TrainPlan plan;
   std::vector<double> losses;       // per step of this run
+  int world_size = 1;
+  int zero_stage = 0;
+  std::vector<RankState> ranks;     // every rank's state bytes (gathered on every rank)
   nlohmann::json json() const;      // the {"type": "summary", ...} line
 };
 

@@ -2,14 +2,17 @@
 // flags, validates them (one clear line and exit 2 on bad input), calls the library, prints.
 #include <CLI/CLI.hpp>
 #include <fmt/format.h>
+#include <fmt/ranges.h>
 #include <torch/torch.h>
 
+#include <chrono>
 #include <cstdio>
 #include <fstream>
 #include <iostream>
 #include <sstream>
 #include <thread>
 
+#include "launch.h"
 #include "memfit/memfit.h"
 
 namespace {
@@ -145,6 +148,81 @@ int run_report_command(CommonFlags& f, int64_t steps, bool eval_only, bool json,
   return 0;
 }
 
+int run_plan_command(CommonFlags& f, const std::string& budget_text, bool json, bool verify) {
+  apply_common(f);
+  if (budget_text.empty()) throw std::invalid_argument("--budget is required: e.g. --budget 300MiB");
+  PlanRequest request;
+  try {
+    request.budget_bytes = parse_size(budget_text);
+  } catch (const std::invalid_argument& e) {
+    throw std::invalid_argument(std::string("--budget: ") + e.what());
+  }
+  request.batch = f.batch;
+  request.micro_batch = f.micro_batch;
+  request.keep_grads = f.keep_grads;
+  if (f.precision != "auto") {
+    request.precision = parse_precision(f.precision);
+    std::string why;
+    if (!precision_supported(request.precision, c10::kCPU, &why)) {
+      throw std::invalid_argument("invalid --precision " + f.precision + ": " + why);
+    }
+  }
+  auto tracker = std::make_shared<MemoryTracker>();
+  TrackerScope scope(tracker);
+  Workload w = make_workload(f.model);
+  const Batch batch = w.data->train_batch(0, f.batch, f.model.seed);
+  const auto t0 = std::chrono::steady_clock::now();
+  Planner planner(w, batch, request, *tracker);
+  const double profile_s = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  const auto t1 = std::chrono::steady_clock::now();
+  Plan plan = planner.plan();
+  const double solve_s = std::chrono::duration<double>(std::chrono::steady_clock::now() - t1).count();
+  if (f.precision == "auto") plan.notes.push_back("precision fp32: auto does not choose bf16 on CPU yet (pass --precision bf16)");
+  Verification v;
+  const bool verified = verify && plan.feasible;
+  if (verified) v = verify_plan(w, planner, plan, *tracker, f.batch, /*measure_plain=*/true);
+  auto j = plan_json(plan, verified ? &v : nullptr);
+  j["profile_seconds"] = profile_s;
+  j["solve_seconds"] = solve_s;
+  if (json) {
+    std::cout << j.dump(2) << "\n";
+  } else {
+    fmt::print("{}\n", w.description);
+    fmt::print("Plan for a budget of {} ({} bytes; {:.0f}% kept free), batch {}:\n", format_bytes(plan.budget_bytes),
+               plan.budget_bytes, request.margin * 100, f.batch);
+    if (plan.feasible) {
+      std::vector<std::string> names;
+      for (int b : plan.checkpoint.recomputed_blocks()) names.push_back(w.chain->block(b).name);
+      fmt::print("  {:<28}{} x {}\n", "micro-batch x accumulation", plan.micro_batch, plan.accumulation);
+      fmt::print("  {:<28}{}\n", "precision", precision_name(plan.precision));
+      fmt::print("  {:<28}{}{}\n", "blocks recomputed", plan.checkpoint.describe(),
+                 names.empty() ? "" : " (" + fmt::format("{}", fmt::join(names, " ")) + ")");
+      fmt::print("  {:<28}{:>10}  {:>12} B\n", "predicted peak", format_bytes(plan.predicted_peak), plan.predicted_peak);
+      if (verified) {
+        fmt::print("  {:<28}{:>10}  {:>12} B  ({:+.1f}% vs predicted)\n", "measured peak", format_bytes(v.measured_peak),
+                   v.measured_peak, 100.0 * static_cast<double>(plan.predicted_peak - v.measured_peak) / static_cast<double>(std::max<int64_t>(1, v.measured_peak)));
+        fmt::print("  {:<28}{:.2f}x predicted, {:.2f}x measured\n", "step time vs plain step",
+                   plan.predicted_seconds / std::max(1e-12, plan.plain_predicted_seconds),
+                   v.measured_seconds / std::max(1e-12, v.plain_seconds));
+      } else {
+        fmt::print("  {:<28}{:.2f}x predicted\n", "step time vs plain step",
+                   plan.predicted_seconds / std::max(1e-12, plan.plain_predicted_seconds));
+      }
+    }
+    fmt::print("  {:<28}{:>10}  {:>12} B\n", "plain step, predicted peak", format_bytes(plan.plain_predicted_peak), plan.plain_predicted_peak);
+    fmt::print("  {:<28}{:>10}  {:>12} B\n", "smallest budget (floor)", format_bytes(plan.floor_bytes), plan.floor_bytes);
+    fmt::print("  profiling {:.2f} s, planning {:.3f} s\n", profile_s, solve_s);
+    for (const auto& n : j["notes"]) fmt::print("  note: {}\n", n.get<std::string>());
+  }
+  if (!plan.feasible) {
+    std::fprintf(stderr, "memfit: budget %s is below the floor: the smallest budget any plan reaches is %s (%lld bytes)\n",
+                 format_bytes(plan.budget_bytes).c_str(), format_bytes(plan.floor_bytes).c_str(),
+                 static_cast<long long>(plan.floor_bytes));
+    return 1;
+  }
+  return 0;
+}
+
 int run_train_command(CommonFlags& f, TrainOptions& t, const std::string& budget, const std::string& inject) {
   apply_common(f);
   t.model = f.model;
@@ -202,6 +280,19 @@ int main(int argc, char** argv) {
   report->add_flag("--json", report_json_flag, "exact JSON (bytes as integers) instead of a table");
   report->add_option("--html", report_html, "also write a self-contained HTML report to this file");
 
+  CommonFlags plan_flags;
+  plan_flags.precision = "auto";
+  std::string plan_budget;
+  bool plan_json_flag = false, plan_no_verify = false;
+  CLI::App* plan_cmd = app.add_subcommand("plan", "choose micro-batch, precision and recomputed blocks for a budget");
+  add_model_flags(*plan_cmd, plan_flags);
+  plan_cmd->add_option("--budget", plan_budget, "memory budget: 512MiB, 1.5GiB, 800MB, 1e9 or bytes")->required();
+  plan_cmd->add_option("--precision", plan_flags.precision, "auto | fp32 | bf16 | fp16")->capture_default_str();
+  plan_cmd->add_option("--micro-batch", plan_flags.micro_batch, "pin the micro-batch size");
+  plan_cmd->add_flag("--keep-grads", plan_flags.keep_grads, "gradients kept between steps");
+  plan_cmd->add_flag("--json", plan_json_flag, "JSON output");
+  plan_cmd->add_flag("--no-verify", plan_no_verify, "predict only; do not run real steps");
+
   CommonFlags train_flags;
   TrainOptions train_options;
   train_options.report_html = "memfit-report.html";
@@ -224,6 +315,18 @@ int main(int argc, char** argv) {
   train_cmd->add_option("--json-log", train_options.json_log, "write JSON lines (plan, steps, summary) to this file");
   train_cmd->add_option("--report", train_options.report_html, "HTML report of the last step")->capture_default_str();
   train_cmd->add_flag("!--no-progress", train_options.progress, "no progress lines");
+  train_cmd->add_option("--world-size", train_options.distributed.world_size, "data-parallel ranks (memfit launch sets it)")->capture_default_str();
+  train_cmd->add_option("--rank", train_options.distributed.rank, "this process's rank: 0 to --world-size - 1")->capture_default_str();
+  train_cmd->add_option("--master", train_options.distributed.master, "HOST:PORT of the rendezvous rank 0 opens")->capture_default_str();
+  train_cmd->add_option("--zero", train_options.distributed.zero_stage, "0: data parallel; 1: optimizer state sharded; 2: gradients too")->capture_default_str();
+  train_cmd->add_option("--dist-timeout", train_options.distributed.timeout_seconds, "seconds to wait for other ranks (rendezvous, each collective)")->capture_default_str();
+  train_cmd->add_option("--dump-weights", train_options.dump_weights, "write all parameters as raw float32 (tests)")->group("");
+
+  cli::LaunchOptions launch_options;
+  CLI::App* launch_cmd = app.add_subcommand("launch", "start N local ranks of data-parallel training: memfit launch --nproc N -- train [flags]");
+  launch_cmd->add_option("--nproc", launch_options.nproc, "ranks (processes) to start")->capture_default_str();
+  launch_cmd->add_option("--master-port", launch_options.master_port, "rendezvous port on 127.0.0.1 (default: a free one)");
+  launch_cmd->add_option("command", launch_options.command, "after --: train and its flags")->required();
 
   try {
     app.parse(argc, argv);
@@ -238,7 +341,9 @@ int main(int argc, char** argv) {
 
   try {
     if (report->parsed()) return run_report_command(report_flags, report_steps, report_eval, report_json_flag, report_html);
+    if (plan_cmd->parsed()) return run_plan_command(plan_flags, plan_budget, plan_json_flag, !plan_no_verify);
     if (train_cmd->parsed()) return run_train_command(train_flags, train_options, train_budget, train_inject);
+    if (launch_cmd->parsed()) return cli::launch(launch_options);
   } catch (const std::invalid_argument& e) {
     std::fprintf(stderr, "memfit: %s\n", e.what());
     return 2;

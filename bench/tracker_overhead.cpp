@@ -1,0 +1,69 @@
+// Tracker overhead: step time of the reference GPT with and without a MemoryTracker installed,
+// interleaved in the same run, medians of several steps. Goal: <= 2% of step time.
+//
+//   ./build/bench/tracker_overhead [--steps N] [--threads N] [--layers N --d-model N ...]
+#include <torch/torch.h>
+
+#include <algorithm>
+#include <chrono>
+#include <cstdio>
+#include <cstring>
+#include <string>
+#include <vector>
+
+#include "memfit/memfit.h"
+
+using namespace memfit;
+
+static double median(std::vector<double> v) {
+  std::sort(v.begin(), v.end());
+  return v[v.size() / 2];
+}
+
+int main(int argc, char** argv) {
+  BudgetAllocator::install();
+  ModelOptions m;
+  int steps = 7, threads = 2;
+  int64_t batch = 16;
+  for (int i = 1; i + 1 < argc; i += 2) {
+    const std::string k = argv[i];
+    const long long v = std::atoll(argv[i + 1]);
+    if (k == "--steps") steps = static_cast<int>(v);
+    else if (k == "--threads") threads = static_cast<int>(v);
+    else if (k == "--layers") m.gpt.layers = v;
+    else if (k == "--d-model") m.gpt.d_model = v;
+    else if (k == "--seq") m.gpt.seq = v;
+    else if (k == "--batch") batch = v;
+    else { std::fprintf(stderr, "tracker_overhead: unknown flag %s\n", argv[i]); return 2; }
+  }
+  at::set_num_threads(threads);
+  Workload w = make_workload(m);
+  torch::optim::AdamW optimizer(w.chain->parameters(), torch::optim::AdamWOptions(1e-3));
+  const Batch data = w.data->train_batch(0, batch, 0);
+  StepOptions so;
+  auto tracker = std::make_shared<MemoryTracker>();
+  std::vector<double> with, without;
+  train_step(w, optimizer, data, so);  // warm-up
+  for (int s = 0; s < steps; ++s) {
+    for (int tracked = 0; tracked < 2; ++tracked) {  // interleaved: drift hits both alike
+      const auto t0 = std::chrono::steady_clock::now();
+      if (tracked) {
+        TrackerScope scope(tracker);
+        train_step(w, optimizer, data, so);
+      } else {
+        train_step(w, optimizer, data, so);
+      }
+      const double secs = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+      (tracked ? with : without).push_back(secs);
+    }
+  }
+  const double a = median(without), b = median(with);
+  std::printf("command: %s", argv[0]);
+  for (int i = 1; i < argc; ++i) std::printf(" %s", argv[i]);
+  std::printf("\n%s, batch %lld, %d threads, %d steps each (interleaved)\n", w.description.c_str(),
+              static_cast<long long>(batch), threads, steps);
+  std::printf("median step without tracker: %.4f s\nmedian step with tracker:    %.4f s\n", a, b);
+  std::printf("overhead: %+.2f%% (allocations seen per step: %lld)\n", 100.0 * (b - a) / a,
+              static_cast<long long>(tracker->allocation_count() / steps));
+  return 0;
+}

@@ -1,0 +1,60 @@
+// schedule.h — the optimal checkpointing schedule of a chain under a memory limit, by dynamic
+// programming (after rotor, Beaumont et al., "Optimal checkpointing for heterogeneous chains").
+//
+// A schedule cuts the chain into units: a plain block (all its activations kept for backward)
+// or a checkpointed segment [first, last] (only the segment's input kept; the segment is run
+// again, keeping everything, when backward reaches it). Among all schedules whose modelled peak
+// fits the limit, the DP finds one with the least recompute time. State: (next block, bytes
+// held by the blocks before it, in slots); transitions: the next unit. Pure arithmetic: the
+// numbers come from profiling (planner.h).
+#pragma once
+
+#include <cstdint>
+#include <utility>
+#include <vector>
+
+namespace memfit {
+
+// What one block costs, measured at one micro-batch size. Bytes are tensor storage bytes.
+struct BlockCost {
+  double forward_seconds = 0;
+  double backward_seconds = 0;
+  int64_t output_bytes = 0;      // its output x_i
+  bool output_kept = false;      // in a plain run, x_i stays alive for the next block's backward
+  int64_t kept_bytes = 0;        // allocated in its forward and alive at the end of forward, plain run
+                                 // (includes output_bytes when output_kept)
+  int64_t forward_peak = 0;      // above the live bytes at its start, during its forward (with grad)
+  int64_t forward_nograd_peak = 0;  // the same without grad (inside a checkpointed segment)
+  int64_t backward_peak = 0;     // above the live bytes at its backward's start (incl. its param grads)
+  int64_t param_bytes = 0;       // its parameters (their gradients appear in its backward)
+};
+
+struct ChainCosts {
+  std::vector<BlockCost> blocks;
+  int64_t fixed_bytes = 0;          // alive all step: weights, optimizer state, the batch, ...
+  bool gradients_present = false;   // all gradients exist from the start (accumulation, keep-grads)
+  int64_t segment_overhead_bytes = 0;  // what each checkpointed segment keeps besides its input (RNG state)
+  int64_t loss_bytes = 0;           // alive at the end of forward besides the blocks' (loss, logits' helpers)
+};
+
+struct Schedule {
+  std::vector<std::pair<int, int>> segments;  // checkpointed segments, sorted
+  bool feasible = false;
+  int64_t peak_bytes = 0;            // modelled
+  double seconds = 0;                // modelled forward + backward + recompute
+  double recompute_seconds = 0;
+  std::vector<int> recomputed_blocks() const;
+};
+
+// The modelled peak and time of a given schedule (segments sorted and disjoint).
+Schedule evaluate_schedule(const ChainCosts& costs, const std::vector<std::pair<int, int>>& segments);
+
+// The least-recompute schedule whose modelled peak is <= limit_bytes. Memory is discretized
+// into `slots` units of limit_bytes / slots (rounding sizes up, so what it returns fits);
+// slots = 0 picks enough slots to lose under 0.5% of the limit to rounding.
+Schedule solve_schedule(const ChainCosts& costs, int64_t limit_bytes, int slots = 0);
+
+// The smallest peak any schedule reaches (every block its own segment is not always it).
+int64_t smallest_peak(const ChainCosts& costs);
+
+}  // namespace memfit

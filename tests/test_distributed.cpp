@@ -1,0 +1,241 @@
+// Sharded data parallel at the library level: the batch and parameter partitions, and two
+// ranks as two threads of this process (c10d/Gloo over loopback, no fork needed) compared with
+// one AdamW over the summed gradients.
+#include <arpa/inet.h>
+#include <netinet/in.h>
+#include <sys/socket.h>
+#include <unistd.h>
+
+#include <exception>
+#include <thread>
+
+#include "test_util.h"
+
+namespace memfit {
+namespace {
+
+int free_port() {
+  const int fd = ::socket(AF_INET, SOCK_STREAM, 0);
+  sockaddr_in addr{};
+  addr.sin_family = AF_INET;
+  addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  socklen_t len = sizeof addr;
+  ::bind(fd, reinterpret_cast<sockaddr*>(&addr), sizeof addr);
+  ::getsockname(fd, reinterpret_cast<sockaddr*>(&addr), &len);
+  ::close(fd);
+  return ntohs(addr.sin_port);
+}
+
+TEST(DistributedTest, RankSlicesCoverTheBatchInOrder) {
+  for (int64_t batch = 1; batch <= 20; ++batch) {
+    for (int world = 1; world <= std::min<int64_t>(batch, 5); ++world) {
+      int64_t next = 0;
+      for (int r = 0; r < world; ++r) {
+        const BatchSlice s = rank_slice(batch, r, world);
+        EXPECT_EQ(s.start, next) << batch << " over " << world;
+        EXPECT_GE(s.length, batch / world);
+        EXPECT_LE(s.length, batch / world + 1);
+        next = s.start + s.length;
+      }
+      EXPECT_EQ(next, batch);
+    }
+  }
+  EXPECT_THROW(rank_slice(8, 2, 2), std::invalid_argument);
+}
+
+TEST(DistributedTest, PartitionIsContiguousAndBalancedByBytes) {
+  std::vector<at::Tensor> params;
+  for (int64_t n : {4032, 2048, 64, 64, 12288, 192, 4096, 64, 64, 64, 16384, 256, 16384, 64, 4032}) {
+    params.push_back(at::zeros({n}));
+  }
+  int64_t total = 0, largest = 0;
+  for (const auto& p : params) {
+    total += static_cast<int64_t>(p.nbytes());
+    largest = std::max<int64_t>(largest, static_cast<int64_t>(p.nbytes()));
+  }
+  for (int world = 1; world <= 4; ++world) {
+    const auto owner = partition_by_bytes(params, world);
+    ASSERT_EQ(owner.size(), params.size());
+    std::vector<int64_t> bytes(static_cast<size_t>(world), 0);
+    for (size_t i = 0; i < params.size(); ++i) {
+      if (i > 0) EXPECT_LE(owner[i - 1], owner[i]) << "ranges are contiguous";
+      bytes[static_cast<size_t>(owner[i])] += static_cast<int64_t>(params[i].nbytes());
+    }
+    // Each end of a range is off its ideal place by at most half a parameter.
+    for (int64_t b : bytes) EXPECT_LE(std::abs(b - total / world), largest) << "world " << world;
+  }
+}
+
+TEST(DistributedTest, BadOptionsAreOneClearLine) {
+  DistributedOptions o;
+  o.world_size = 2;
+  o.rank = 2;
+  try {
+    validate(o);
+    FAIL() << "rank 2 of 2 accepted";
+  } catch (const std::invalid_argument& e) {
+    EXPECT_NE(std::string(e.what()).find("invalid --rank 2"), std::string::npos) << e.what();
+  }
+  o.rank = 0;
+  o.zero_stage = 3;
+  EXPECT_THROW(validate(o), std::invalid_argument);
+  o.zero_stage = 1;
+  for (const char* bad : {"localhost", ":29500", "host:", "host:0", "host:70000", "host:12a"}) {
+    o.master = bad;
+    EXPECT_THROW(validate(o), std::invalid_argument) << bad;
+  }
+  EXPECT_EQ(parse_master("127.0.0.1:29500"), std::make_pair(std::string("127.0.0.1"), 29500));
+}
+
+// Deterministic parameters and per-rank gradients.
+std::vector<at::Tensor> make_params() {
+  std::vector<at::Tensor> params;
+  int i = 0;
+  for (auto shape : std::vector<std::vector<int64_t>>{{40, 5}, {100}, {7, 3}, {60}, {30, 2}}) {
+    params.push_back((at::linspace(-1, 1, c10::multiply_integers(shape)).reshape(shape) * (0.5 + i++)).requires_grad_());
+  }
+  return params;
+}
+
+at::Tensor gradient(int rank, size_t i, int step, const at::Tensor& p) {
+  return at::cos(at::linspace(0, 3, p.numel()) * static_cast<double>(rank + 1) + static_cast<double>(i + step)).reshape(p.sizes()) *
+         (0.1 * static_cast<double>(rank + 1));
+}
+
+int64_t adamw_state_bytes(torch::optim::Optimizer& optimizer) {
+  int64_t bytes = 0;
+  for (const auto& [key, state] : optimizer.state()) {
+    const auto& s = static_cast<const torch::optim::AdamWParamState&>(*state);
+    bytes += static_cast<int64_t>(s.exp_avg().nbytes() + s.exp_avg_sq().nbytes());
+  }
+  return bytes;
+}
+
+struct RankOutcome {
+  std::vector<at::Tensor> params;
+  std::vector<bool> grad_after_reduce;
+  std::vector<at::Tensor> reduced;  // the owner's reduced gradient (undefined elsewhere)
+  int64_t state_bytes = 0, owned_bytes = 0, total_bytes = 0;
+  std::map<size_t, at::Tensor> gathered_exp_avg_sq;  // rank 0: the whole state, gathered
+  size_t kept_states = 0, owned_count = 0;
+};
+
+TEST(DistributedTest, TwoRanksStage2EqualOneAdamWOverTheSummedGradients) {
+  constexpr int kSteps = 3;
+  const std::string master = "127.0.0.1:" + std::to_string(free_port());
+  const auto opts = torch::optim::AdamWOptions(0.05);
+  std::vector<RankOutcome> outcome(2);
+  std::vector<std::exception_ptr> errors(2);
+  auto run_rank = [&](int rank) {
+    try {
+      DistributedOptions o;
+      o.world_size = 2;
+      o.rank = rank;
+      o.master = master;
+      o.zero_stage = 2;
+      o.timeout_seconds = 30;
+      DistributedContext context(o);
+      auto params = make_params();
+      ShardedDataParallel sdp(context, params, 2);
+      torch::optim::AdamW adamw(sdp.optimized_parameters(), opts);
+      auto& out = outcome[static_cast<size_t>(rank)];
+      for (int step = 0; step < kSteps; ++step) {
+        for (size_t i = 0; i < params.size(); ++i) params[i].mutable_grad() = gradient(rank, i, step, params[i]);
+        sdp.reduce_gradients();
+        if (step == 0) {
+          for (size_t i = 0; i < params.size(); ++i) {
+            out.grad_after_reduce.push_back(params[i].grad().defined());
+            out.reduced.push_back(params[i].grad().defined() ? params[i].grad().clone() : at::Tensor());
+          }
+        }
+        adamw.step();
+        zero_grad(adamw, true);
+        sdp.finish_step(true);
+      }
+      out.state_bytes = adamw_state_bytes(adamw);
+      out.owned_bytes = sdp.owned_bytes();
+      out.total_bytes = sdp.parameter_bytes();
+      torch::optim::AdamW full(params, opts);
+      sdp.gather_optimizer_state(adamw, full);
+      if (rank == 0) {
+        for (size_t i = 0; i < params.size(); ++i) {
+          auto it = full.state().find(c10::guts::to_string(params[i].unsafeGetTensorImpl()));
+          if (it == full.state().end()) continue;
+          const auto& s = static_cast<const torch::optim::AdamWParamState&>(*it->second);
+          EXPECT_EQ(s.step(), kSteps);
+          out.gathered_exp_avg_sq[i] = s.exp_avg_sq().clone();
+        }
+      }
+      for (auto& p : params) out.params.push_back(p.detach().clone());
+      // Resuming: from a whole state, each rank keeps its own parameters' share.
+      torch::optim::AdamW whole(params, opts), mine(sdp.optimized_parameters(), opts);
+      for (auto& p : params) p.mutable_grad() = at::ones_like(p);
+      whole.step();
+      sdp.keep_owned_state(whole, mine);
+      out.kept_states = mine.state().size();
+      out.owned_count = sdp.optimized_parameters().size();
+    } catch (...) {
+      errors[static_cast<size_t>(rank)] = std::current_exception();
+    }
+  };
+  std::thread second(run_rank, 1);
+  run_rank(0);
+  second.join();
+  for (auto& e : errors) {
+    if (e) std::rethrow_exception(e);
+  }
+
+  // The reference: one AdamW over every parameter with the gradients of both ranks summed.
+  auto params = make_params();
+  torch::optim::AdamW reference(params, opts);
+  std::vector<at::Tensor> first_sum;
+  for (int step = 0; step < kSteps; ++step) {
+    for (size_t i = 0; i < params.size(); ++i) {
+      params[i].mutable_grad() = gradient(0, i, step, params[i]) + gradient(1, i, step, params[i]);
+      if (step == 0) first_sum.push_back(params[i].grad().clone());
+    }
+    reference.step();
+    zero_grad(reference, true);
+  }
+  const auto owner = partition_by_bytes(params, 2);
+  for (size_t i = 0; i < params.size(); ++i) {
+    for (int r = 0; r < 2; ++r) {
+      const auto& out = outcome[static_cast<size_t>(r)];
+      EXPECT_EQ(out.grad_after_reduce[i], owner[i] == r) << "stage 2 keeps only the owner's gradient, parameter " << i;
+      if (owner[i] == r) EXPECT_TRUE(at::allclose(out.reduced[i], first_sum[i], 1e-6, 0)) << "reduced gradient " << i;
+      EXPECT_TRUE(at::allclose(out.params[i], params[i].detach(), 1e-6, 1e-9)) << "rank " << r << " parameter " << i;
+    }
+    const auto& s = static_cast<const torch::optim::AdamWParamState&>(
+        *reference.state().at(c10::guts::to_string(params[i].unsafeGetTensorImpl())));
+    ASSERT_TRUE(outcome[0].gathered_exp_avg_sq.count(i)) << "rank 0 gathered no state for parameter " << i;
+    EXPECT_TRUE(at::allclose(outcome[0].gathered_exp_avg_sq[i], s.exp_avg_sq(), 1e-6, 0)) << "gathered state " << i;
+  }
+  for (const auto& out : outcome) {
+    EXPECT_EQ(out.state_bytes, 2 * out.owned_bytes) << "AdamW state only for the owned parameters";
+    EXPECT_LT(out.owned_bytes, out.total_bytes);
+    EXPECT_EQ(out.kept_states, out.owned_count);
+  }
+  EXPECT_EQ(outcome[0].owned_bytes + outcome[1].owned_bytes, outcome[0].total_bytes);
+}
+
+TEST(DistributedTest, UnreachableMasterFailsWithinTheTimeout) {
+  DistributedOptions o;
+  o.world_size = 2;
+  o.rank = 1;
+  o.master = "127.0.0.1:" + std::to_string(free_port());  // nobody listens there
+  o.timeout_seconds = 2;
+  const auto t0 = std::chrono::steady_clock::now();
+  try {
+    DistributedContext context(o);
+    FAIL() << "connected to nobody";
+  } catch (const DistributedError& e) {
+    EXPECT_NE(std::string(e.what()).find("cannot reach --master"), std::string::npos) << e.what();
+  }
+  const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  RecordProperty("seconds", std::to_string(seconds));
+  EXPECT_GT(seconds, 1.0) << "ranks may start before rank 0: they wait for it";
+  EXPECT_LT(seconds, 10.0);
+}
+
+}  // namespace
+}  // namespace memfit
