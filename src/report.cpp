@@ -2,6 +2,7 @@
 
 #include <torch/torch.h>
 
+#include "memfit/cache.h"
 #include "memfit/evaluation.h"
 #include "memfit/grads.h"
 
@@ -99,6 +100,14 @@ nlohmann::json report_json(const Report& r) {
                  {"gradients", r.states.gradients},
                  {"optimizer_state", r.states.optimizer_state}};
   j["between_steps_bytes"] = r.between_steps_bytes;
+  // Allocated vs reserved: memfit's CPU allocator caches nothing, so on CPU they are equal;
+  // CUDA's caching allocator reserves more than it hands out (empty_cache() gives it back).
+  nlohmann::json devices = {{"cpu", {{"allocated_bytes", r.between_steps_bytes}, {"reserved_bytes", r.between_steps_bytes}}}};
+  if (cuda_available()) {
+    const DeviceMemory m = cuda_memory(0);
+    devices["cuda"] = {{"allocated_bytes", m.allocated}, {"reserved_bytes", m.reserved}, {"peak_allocated_bytes", m.peak_allocated}};
+  }
+  j["device_memory"] = devices;
   nlohmann::json phases = nlohmann::json::object();
   for (Phase p : {Phase::kForward, Phase::kBackward, Phase::kRecompute, Phase::kOptimizer, Phase::kEval}) {
     if (r.phase_peak[static_cast<int>(p)] > 0) phases[phase_name(p)] = {{"peak_bytes", r.phase_peak[static_cast<int>(p)]}};

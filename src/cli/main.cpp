@@ -112,7 +112,12 @@ void print_report_table(const Report& r) {
     fmt::print("\nAfter backward + optimizer step:\n");
     fmt::print("  {:<18}{}\n  {:<18}{}\n  {:<18}{}\n", "weights", bytes_cell(r.states.weights), "gradients",
                bytes_cell(r.states.gradients), "optimizer state", bytes_cell(r.states.optimizer_state));
-    fmt::print("Live between steps: {}\n", bytes_cell(r.between_steps_bytes));
+    fmt::print("Live between steps: {}  (reserved on CPU: the same; memfit's allocator keeps no cache)\n",
+               bytes_cell(r.between_steps_bytes));
+    if (cuda_available()) {
+      const DeviceMemory m = cuda_memory(0);
+      fmt::print("CUDA: allocated {}, reserved {}\n", bytes_cell(m.allocated), bytes_cell(m.reserved));
+    }
   }
   fmt::print("\nPeak per phase:\n");
   for (Phase ph : {Phase::kForward, Phase::kBackward, Phase::kRecompute, Phase::kOptimizer, Phase::kEval}) {

@@ -13,6 +13,7 @@ assert j["states"]["weights"] == j["parameters"] * 4
 assert j["states"]["gradients"] == j["parameters"] * 4
 assert j["states"]["optimizer_state"] == 2 * j["parameters"] * 4
 assert len(j["blocks"]) == 6 and all(b["activation_bytes"] > 0 for b in j["blocks"])
+assert j["device_memory"]["cpu"]["reserved_bytes"] == j["device_memory"]["cpu"]["allocated_bytes"] == j["between_steps_bytes"]
 for phase in ("forward", "backward", "optimizer"):
     assert j["phases"][phase]["peak_bytes"] > 0
 print("cli report json: 1 passed, 0 failed")
