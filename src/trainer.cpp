@@ -11,6 +11,7 @@
 #include <filesystem>
 #include <fstream>
 #include <iostream>
+#include <limits>
 #include <sstream>
 
 #include "memfit/accumulation.h"
@@ -20,6 +21,7 @@
 #include "memfit/html_report.h"
 #include "memfit/memory_tracker.h"
 #include "memfit/metrics.h"
+#include "memfit/planner.h"
 #include "memfit/size.h"
 #include "memfit/step.h"
 
@@ -40,63 +42,6 @@ std::string fmt_ratio(double v) {
 }
 
 constexpr double kMargin = 0.03;  // the plan keeps 3% of the budget free for what it cannot see
-
-// --- planning ------------------------------------------------------------------------------
-
-struct Mode {
-  std::string name;
-  CheckpointPlan plan;
-};
-
-std::vector<Mode> checkpoint_modes(const Workload& w, const std::string& spec) {
-  const int n = w.chain->size();
-  if (spec != "auto") return {{spec, CheckpointPlan::parse(spec, n)}};
-  std::vector<int> attention;
-  for (int i = 0; i < n; ++i) {
-    if (w.chain->block(i).name.rfind("attn", 0) == 0) attention.push_back(i);
-  }
-  std::vector<Mode> modes{{"none", CheckpointPlan::none()}};
-  if (!attention.empty()) {
-    modes.push_back({"attention", CheckpointPlan::of_blocks(attention, n)});
-  } else {
-    std::vector<int> odd;
-    for (int i = 1; i < n; i += 2) odd.push_back(i);
-    modes.push_back({"alternate", CheckpointPlan::of_blocks(odd, n)});
-  }
-  modes.push_back({"all", CheckpointPlan::all(n)});
-  return modes;
-}
-
-// Bytes above the live bytes at its start, and seconds, of one forward + backward of m samples.
-struct Measure {
-  int64_t bytes;
-  double seconds;
-};
-
-Measure measure(Workload& w, MemoryTracker& tracker, const Batch& batch, int64_t m, const StepOptions& so) {
-  const auto params = w.chain->parameters();
-  zero_grad(params, true);
-  const int64_t base = tracker.current();
-  tracker.reset_peak();
-  const auto t0 = Clock::now();
-  forward_backward(w, batch.slice(0, m), 1.0, so);
-  const double secs = seconds_since(t0);
-  const int64_t bytes = tracker.peak() - base;
-  zero_grad(params, true);
-  return {bytes, secs};
-}
-
-struct Fit {  // value(m) = a + b * m
-  double a, b;
-  double at(double m) const { return a + b * m; }
-};
-
-// The line through (x1, v1) and (x2, v2), never decreasing.
-Fit fit_two(double x1, double v1, double x2, double v2) {
-  const double b = x2 > x1 ? std::max((v2 - v1) / (x2 - x1), 0.0) : 0.0;
-  if (v1 - b * x1 < 0) return {0.0, v1 / x1};  // no negative fixed cost: proportional instead
-  return {v1 - b * x1, b};
-}
 
 }  // namespace
 
@@ -284,17 +229,9 @@ TrainSummary train(const TrainOptions& options, std::ostream& out) {
   for (int64_t s : o.inject_oom) {
     if (s < 1) throw std::invalid_argument("invalid --inject-oom step " + std::to_string(s) + ": steps are numbered from 1");
   }
-  Precision precision = Precision::kFP32;
+  // auto: fp32 and the mixed precisions this device runs; the planner measures and chooses.
+  const std::vector<Precision> precisions = precision_candidates(o.precision, c10::kCPU);
   std::vector<std::string> notes;
-  if (o.precision == "auto") {
-    notes.push_back("precision fp32: auto does not choose bf16 on CPU yet (pass --precision bf16 to use it)");
-  } else {
-    precision = parse_precision(o.precision);
-    std::string why;
-    if (!precision_supported(precision, c10::kCPU, &why)) {
-      throw std::invalid_argument("invalid --precision " + o.precision + ": " + why);
-    }
-  }
 
   validate(o.distributed);
   const int world = o.distributed.world_size;
@@ -307,7 +244,7 @@ TrainSummary train(const TrainOptions& options, std::ostream& out) {
     throw std::invalid_argument("invalid --micro-batch " + std::to_string(o.micro_batch) + ": expected 1 to this rank's share of --batch (" +
                                 std::to_string(local.length) + " of " + std::to_string(o.batch) + " over " + std::to_string(world) + " ranks)");
   }
-  if (world > 1 && o.distributed.zero_stage > 0 && precision == Precision::kFP16) {
+  if (world > 1 && o.distributed.zero_stage > 0 && o.precision == "fp16") {
     throw std::invalid_argument("--precision fp16 with --zero 1 or 2 is not supported: the loss scaler's overflow check would see one shard only");
   }
 
@@ -334,7 +271,6 @@ TrainSummary train(const TrainOptions& options, std::ostream& out) {
   }
   const bool sharded_optimizer = sdp && sdp->zero_stage() > 0;
   torch::optim::AdamW optimizer(sdp ? sdp->optimized_parameters() : params, torch::optim::AdamWOptions(o.learning_rate));
-  GradScaler scaler(GradScalerOptions{65536.0, 2.0, 0.5, 2000, precision == Precision::kFP16});
 
   out << "memfit train: " << w.description << "\n";
   out << "  " << parameter_count(*w.chain) << " parameters (" << format_bytes(weight_bytes) << "), batch "
@@ -368,68 +304,28 @@ TrainSummary train(const TrainOptions& options, std::ostream& out) {
     rng_after_resume = gen.get_state();
   }
 
-  // --- plan: measure, predict, choose ---
+  // --- plan: measure, predict, choose (planner.h) ---
   TrainPlan plan;
-  plan.precision = precision;
   plan.notes = notes;
   const Batch first_batch = w.data->train_batch(start_step, o.batch, o.model.seed).slice(local.start, local.length);
-  const bool optimizer_state_exists = start_step > 0;
   // Per rank: AdamW's exp_avg and exp_avg_sq for the parameters this rank steps, and the
   // gradients kept through the optimizer step (only this rank's share at ZeRO stage 2).
   const RankStateBytes rank_state = sdp ? sdp->predicted_state_bytes() : RankStateBytes{weight_bytes, weight_bytes, 2 * weight_bytes};
-  const int64_t optimizer_bytes = optimizer_state_exists ? 0 : rank_state.optimizer_state;
+  PlanRequest request;
+  request.batch = local.length;
+  request.precisions = precisions;
+  request.micro_batch = o.micro_batch;
+  if (o.checkpoint != "auto") request.checkpoint = CheckpointPlan::parse(o.checkpoint, w.chain->size());
+  request.keep_grads = o.keep_grads;
+  request.margin = kMargin;
+  request.optimizer_state_bytes = rank_state.optimizer_state;
+  request.gradient_bytes = rank_state.gradients;
+  request.largest_update_bytes = largest_param;
   // Saving gathers the whole AdamW state on rank 0 of a sharded run.
-  const int64_t gathered_state_bytes = sharded_optimizer && primary && !o.save_dir.empty() ? 2 * weight_bytes - rank_state.optimizer_state : 0;
-  const int64_t base = tracker->current();  // weights (+ state on resume) + the batch
-  auto modes = checkpoint_modes(w, o.checkpoint);
-  struct Candidate {
-    Mode mode;
-    int64_t m;
-    int64_t peak;
-    double seconds;
-  };
-  std::vector<Candidate> candidates;
-  {
-    StepOptions warm;
-    warm.precision = precision;
-    measure(w, *tracker, first_batch, std::max<int64_t>(1, local.length / 8), warm);  // first-touch costs
-  }
-  for (const Mode& mode : modes) {
-    StepOptions so;
-    so.precision = precision;
-    so.checkpoint = mode.plan;
-    // Two micro-batch sizes, an eighth and a quarter of the batch (at least 1 and 2 samples):
-    // bytes and seconds are fitted linearly in the micro-batch size between and beyond them.
-    const int64_t size_a = std::max<int64_t>(1, local.length / 8);
-    const int64_t size_b = std::min<int64_t>(local.length, std::max<int64_t>(size_a + 1, local.length / 4));
-    const Measure m1 = measure(w, *tracker, first_batch, size_a, so);
-    const Measure m2 = size_b > size_a ? measure(w, *tracker, first_batch, size_b, so) : m1;
-    const Fit bytes = fit_two(size_a, static_cast<double>(m1.bytes), size_b, static_cast<double>(m2.bytes));
-    const Fit secs = fit_two(size_a, m1.seconds, size_b, m2.seconds);
-    std::vector<int64_t> sizes;
-    if (o.micro_batch > 0) {
-      sizes.push_back(o.micro_batch);
-    } else {
-      for (int64_t m = local.length; m >= 1; m = (m == 1) ? 0 : (m + 1) / 2) sizes.push_back(m);
-    }
-    for (int64_t m : sizes) {
-      const int64_t full = local.length / m, rest = local.length % m;
-      const double step_seconds = static_cast<double>(full) * secs.at(static_cast<double>(m)) +
-                                  (rest ? secs.at(static_cast<double>(rest)) : 0.0);
-      // Measured with no gradients present; in a step of several micro-batches (or with
-      // --keep-grads) all gradients already exist while later micro-batches run.
-      const int64_t grads_present = m < local.length ? weight_bytes : (o.keep_grads ? rank_state.gradients : 0);
-      const int64_t fb_peak = base + optimizer_bytes + grads_present + static_cast<int64_t>(bytes.at(static_cast<double>(m)));
-      // The optimizer step holds weights, gradients, state and AdamW's two temporaries.
-      const int64_t opt_peak = base + optimizer_bytes + rank_state.gradients + 2 * largest_param;
-      const int64_t save_peak = base + optimizer_bytes + gathered_state_bytes + (o.keep_grads ? rank_state.gradients : 0);
-      candidates.push_back({mode, m, std::max({fb_peak, opt_peak, save_peak}), step_seconds});
-      if (mode.name == "none" && m == local.length) {
-        plan.plain_predicted_peak = candidates.back().peak;
-        plan.plain_step_seconds = step_seconds;
-      }
-    }
-  }
+  request.extra_bytes = sharded_optimizer && primary && !o.save_dir.empty() ? 2 * weight_bytes - rank_state.optimizer_state : 0;
+  // A resumed run's optimizer state already exists: the planner counts it from the request,
+  // so the planner's measurements must not see it twice (they are relative to live bytes).
+  Planner planner(w, first_batch, request, *tracker);
   {
     auto gen = at::detail::getDefaultCPUGenerator();
     std::lock_guard<std::mutex> lock(gen.mutex());
@@ -437,15 +333,14 @@ TrainSummary train(const TrainOptions& options, std::ostream& out) {
   }
   if (start_step == 0) torch::manual_seed(o.model.seed);
 
-  const Candidate* smallest = nullptr;
-  for (const auto& c : candidates) {
-    if (smallest == nullptr || c.peak < smallest->peak) smallest = &c;
-  }
-  const auto floor_bytes = static_cast<int64_t>(static_cast<double>(smallest->peak) / (1.0 - kMargin)) + 1;
+  Plan chosen = planner.plan(std::numeric_limits<int64_t>::max() / 2);  // for the floor and the plain step
+  plan.plain_predicted_peak = chosen.plain_predicted_peak;
+  plan.plain_step_seconds = chosen.plain_predicted_seconds;
+  const int64_t floor_bytes = chosen.floor_bytes;
   int64_t budget = o.budget_bytes;
   if (budget == 0) {
-    if (plan.plain_predicted_peak == 0) {
-      throw std::invalid_argument("--budget is required when --checkpoint or --micro-batch exclude the plain step");
+    if (o.micro_batch > 0 || o.checkpoint != "auto") {
+      throw std::invalid_argument("--budget is required when --checkpoint or --micro-batch pin the configuration");
     }
     // The default lies halfway between the smallest plan and the plain step: the plain step
     // does not fit, so the plan matters.
@@ -453,40 +348,73 @@ TrainSummary train(const TrainOptions& options, std::ostream& out) {
     plan.notes.push_back("budget " + format_bytes(budget) + ": the default, halfway between the smallest plan (" +
                          format_bytes(floor_bytes) + ") and the plain step (" + format_bytes(plan.plain_predicted_peak) + ")");
   }
-  const auto usable = static_cast<int64_t>(static_cast<double>(budget) * (1.0 - kMargin));
-  const Candidate* best = nullptr;
-  for (const auto& c : candidates) {
-    // Ties (within 2%) go to the earlier candidate: larger micro-batches, less recompute.
-    if (c.peak <= usable && (best == nullptr || c.seconds < 0.98 * best->seconds)) best = &c;
-  }
   if (!resumed.is_null() && resumed.contains("plan")) {
-    // A resumed run continues with the plan it saved (the same micro-batches, the same stream).
+    // A resumed run continues with the plan it saved (the same micro-batches, precision and
+    // schedule: the same stream of numbers).
     const auto& p = resumed["plan"];
     plan.micro_batch = p.at("micro_batch").get<int64_t>();
+    plan.precision = parse_precision(p.value("precision", std::string("fp32")));
     plan.checkpoint_mode = p.at("checkpoint_mode").get<std::string>();
-    plan.checkpoint = CheckpointPlan::of_blocks(p.at("checkpoint").get<std::vector<int>>(), w.chain->size());
-    plan.predicted_peak = p.value("predicted_peak_bytes", int64_t{0});
-  } else {
-    const bool pinned = o.micro_batch > 0 && o.checkpoint != "auto";
-    if (best == nullptr && pinned) {
-      // The user fixed the configuration: run it, and let out-of-memory recovery split.
-      best = &candidates.front();
-      plan.notes.push_back("the pinned configuration is predicted to need " + format_bytes(best->peak) +
-                           ", over the budget: micro-batches will be split when memory runs out");
+    if (p.contains("segments")) {
+      plan.checkpoint.segments = p.at("segments").get<std::vector<std::pair<int, int>>>();
+    } else {
+      plan.checkpoint = CheckpointPlan::of_blocks(p.at("checkpoint").get<std::vector<int>>(), w.chain->size());
     }
-    if (best == nullptr) {
-      const int64_t floor = floor_bytes;
+    plan.predicted_peak = p.value("predicted_peak_bytes", int64_t{0});
+    plan.notes.push_back("resumed with the saved plan");
+  } else {
+    chosen = planner.plan(budget);
+    const bool pinned = o.micro_batch > 0 && o.checkpoint != "auto" && precisions.size() == 1;
+    if (!chosen.feasible && pinned) {
+      // The user fixed the configuration: run it, and let out-of-memory recovery split.
+      chosen = planner.evaluate(o.micro_batch, precisions.front(), *request.checkpoint, budget);
+      plan.notes.push_back("the pinned configuration is predicted to need " + format_bytes(chosen.predicted_peak) +
+                           ", over the budget: micro-batches will be split when memory runs out");
+    } else if (!chosen.feasible) {
       throw std::runtime_error("budget " + format_bytes(budget) + " (" + std::to_string(budget) +
                                " bytes) is below what any plan needs: the smallest budget that works is " +
-                               format_bytes(floor) + " (" + std::to_string(floor) + " bytes; micro-batch " +
-                               std::to_string(smallest->m) + ", checkpoint " + smallest->mode.name + ")");
+                               format_bytes(floor_bytes) + " (" + std::to_string(floor_bytes) + " bytes)");
     }
-    plan.micro_batch = best->m;
-    plan.checkpoint = best->mode.plan;
-    plan.checkpoint_mode = best->mode.name;
-    plan.predicted_peak = best->peak;
-    plan.predicted_step_seconds = best->seconds;
+    plan.micro_batch = chosen.micro_batch;
+    plan.precision = chosen.precision;
+    plan.checkpoint = chosen.checkpoint;
+    plan.checkpoint_mode = o.checkpoint;
+    plan.predicted_peak = chosen.predicted_peak;
+    plan.predicted_step_seconds = chosen.predicted_seconds;
+    for (const auto& n : chosen.notes) plan.notes.push_back(n);
   }
+  if (context && resumed.is_null()) {
+    // Every rank trains with rank 0's plan: each rank timed its own profile and could choose
+    // differently, and equal precision and micro-batches keep ranks equal to one process.
+    const int n = w.chain->size();
+    std::vector<int64_t> mine{plan.micro_batch, static_cast<int64_t>(plan.precision)};
+    mine.resize(2 + static_cast<size_t>(n), -1);  // per block: its segment's first block, or -1
+    for (const auto& [first, last] : plan.checkpoint.segments) {
+      for (int i = first; i <= last; ++i) mine[2 + static_cast<size_t>(i)] = first;
+    }
+    const auto all = context->all_gather(mine, "agreeing on the plan");
+    if (all[0] != mine) {
+      CheckpointPlan ckpt;
+      for (int i = 0; i < n; ++i) {
+        const int64_t first = all[0][2 + static_cast<size_t>(i)];
+        if (first < 0) continue;
+        if (ckpt.segments.empty() || ckpt.segments.back().first != first) ckpt.segments.emplace_back(static_cast<int>(first), i);
+        ckpt.segments.back().second = i;
+      }
+      const Plan adopted = planner.evaluate(std::min(all[0][0], local.length), static_cast<Precision>(all[0][1]), ckpt, budget);
+      plan.micro_batch = adopted.micro_batch;
+      plan.precision = adopted.precision;
+      plan.checkpoint = adopted.checkpoint;
+      plan.predicted_peak = adopted.predicted_peak;
+      plan.predicted_step_seconds = adopted.predicted_seconds;
+      plan.notes.push_back("using rank 0's plan (this rank's own choice differed)");
+    }
+  }
+  const Precision precision = plan.precision;
+  if (world > 1 && o.distributed.zero_stage > 0 && precision == Precision::kFP16) {
+    throw std::invalid_argument("--precision fp16 with --zero 1 or 2 is not supported: the loss scaler's overflow check would see one shard only");
+  }
+  GradScaler scaler(GradScalerOptions{65536.0, 2.0, 0.5, 2000, precision == Precision::kFP16});
   alloc.set_budget(budget);
 
   out << "\nPlan for a budget of " << format_bytes(budget) << " (" << budget << " bytes, " << kMargin * 100
@@ -545,7 +473,9 @@ TrainSummary train(const TrainOptions& options, std::ostream& out) {
                           {"model", w.description},
                           {"parameters", parameter_count(*w.chain)},
                           {"plan", {{"micro_batch", plan.micro_batch},
+                                    {"precision", precision_name(plan.precision)},
                                     {"checkpoint", plan.checkpoint.recomputed_blocks()},
+                                    {"segments", plan.checkpoint.segments},
                                     {"checkpoint_mode", plan.checkpoint_mode},
                                     {"predicted_peak_bytes", plan.predicted_peak}}}};
   };

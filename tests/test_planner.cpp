@@ -74,5 +74,52 @@ TEST(PlannerTest, BelowTheFloorIsInfeasibleAndSaysTheFloor) {
   EXPECT_TRUE(at_floor.feasible);
 }
 
+TEST(PlannerTest, MixedPrecisionCandidateIsProfiledAndItsPlanHolds) {
+  // With bf16 allowed the plan may pick either precision (by measured time); whichever it
+  // picks, its predicted peak must hold under the budget when run.
+  test::use_memfit_allocator();
+  auto tracker = std::make_shared<MemoryTracker>();
+  TrackerScope scope(tracker);
+  Workload w = make_workload(test::small_gpt());
+  const Batch data = w.data->train_batch(0, 8, 0);
+  PlanRequest request;
+  request.batch = 8;
+  request.precisions = precision_candidates("auto", c10::kCPU);
+  ASSERT_GE(request.precisions.size(), 2u);
+  EXPECT_EQ(request.precisions.front(), Precision::kFP32);
+  Planner planner(w, data, request, *tracker);
+  ASSERT_EQ(planner.profiles().size(), request.precisions.size());
+  // bf16 keeps fewer activation bytes than fp32 at the same micro-batch.
+  const int64_t fp32_plain = evaluate_schedule(planner.costs_at(8, Precision::kFP32), {}).peak_bytes;
+  const int64_t bf16_plain = evaluate_schedule(planner.costs_at(8, Precision::kBF16), {}).peak_bytes;
+  EXPECT_LT(bf16_plain, fp32_plain);
+  Plan plan = planner.plan(planner.plan(1).floor_bytes * 3 / 2);
+  ASSERT_TRUE(plan.feasible);
+  Verification v = verify_plan(w, planner, plan, *tracker, 8, /*measure_plain=*/false);
+  EXPECT_LE(v.measured_peak, plan.budget_bytes) << precision_name(plan.precision);
+}
+
+TEST(PlannerTest, PinnedCheckpointIsKeptAndEvaluated) {
+  test::use_memfit_allocator();
+  auto tracker = std::make_shared<MemoryTracker>();
+  TrackerScope scope(tracker);
+  Workload w = make_workload(test::small_gpt());
+  const Batch data = w.data->train_batch(0, 8, 0);
+  PlanRequest request;
+  request.batch = 8;
+  request.micro_batch = 4;
+  request.checkpoint = CheckpointPlan::all(w.chain->size());
+  Planner planner(w, data, request, *tracker);
+  Plan plan = planner.plan(int64_t{1} << 40);
+  ASSERT_TRUE(plan.feasible);
+  EXPECT_EQ(plan.micro_batch, 4);
+  EXPECT_EQ(plan.checkpoint.segments, request.checkpoint->segments);
+  // evaluate() of the same configuration agrees, and a tiny budget makes it not fit.
+  const Plan same = planner.evaluate(4, Precision::kFP32, *request.checkpoint, int64_t{1} << 40);
+  EXPECT_EQ(same.predicted_peak, plan.predicted_peak);
+  EXPECT_FALSE(planner.evaluate(4, Precision::kFP32, *request.checkpoint, 1 << 20).feasible);
+  EXPECT_THROW(precision_candidates("fp8", c10::kCPU), std::invalid_argument);
+}
+
 }  // namespace
 }  // namespace memfit

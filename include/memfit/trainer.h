@@ -1,8 +1,8 @@
 // trainer.h — `memfit train` as a library call: train a workload under a hard memory budget.
 //
-// 1. Plan: measure a few micro-batches (1 and 2 samples) in each checkpoint mode, fit bytes and
-//    seconds linearly in the micro-batch size, and pick the configuration predicted fastest
-//    whose peak fits the budget minus a margin; then verify it on the first real step.
+// 1. Plan (planner.h): profile the chain's blocks and the whole chain, then choose precision,
+//    micro-batch and the recomputed blocks predicted fastest whose peak fits the budget minus
+//    a margin, counting this rank's state bytes; the first real step verifies it.
 // 2. Train: every step processes exactly `batch` samples as micro-batches with gradient
 //    accumulation. An out-of-memory error in a micro-batch splits that micro-batch in two and
 //    redoes only it (no sample lost or counted twice); repeated real OOMs re-plan smaller;
@@ -62,7 +62,7 @@ struct TrainPlan {
   int64_t micro_batch = 0;
   Precision precision = Precision::kFP32;
   CheckpointPlan checkpoint;
-  std::string checkpoint_mode;      // "none", "attention", "all", or the user's spec
+  std::string checkpoint_mode;      // "auto" (solved by the planner) or the user's spec
   int64_t predicted_peak = 0;       // bytes
   int64_t plain_predicted_peak = 0; // the whole batch, nothing recomputed
   double predicted_step_seconds = 0;

@@ -165,13 +165,8 @@ int run_plan_command(CommonFlags& f, const std::string& budget_text, bool json, 
   request.batch = f.batch;
   request.micro_batch = f.micro_batch;
   request.keep_grads = f.keep_grads;
-  if (f.precision != "auto") {
-    request.precision = parse_precision(f.precision);
-    std::string why;
-    if (!precision_supported(request.precision, c10::kCPU, &why)) {
-      throw std::invalid_argument("invalid --precision " + f.precision + ": " + why);
-    }
-  }
+  request.precisions = precision_candidates(f.precision, c10::kCPU);
+  if (f.checkpoint != "auto") request.checkpoint = CheckpointPlan::parse(f.checkpoint, chain_size(f.model));
   auto tracker = std::make_shared<MemoryTracker>();
   TrackerScope scope(tracker);
   Workload w = make_workload(f.model);
@@ -182,7 +177,6 @@ int run_plan_command(CommonFlags& f, const std::string& budget_text, bool json, 
   const auto t1 = std::chrono::steady_clock::now();
   Plan plan = planner.plan();
   const double solve_s = std::chrono::duration<double>(std::chrono::steady_clock::now() - t1).count();
-  if (f.precision == "auto") plan.notes.push_back("precision fp32: auto does not choose bf16 on CPU yet (pass --precision bf16)");
   Verification v;
   const bool verified = verify && plan.feasible;
   if (verified) v = verify_plan(w, planner, plan, *tracker, f.batch, /*measure_plain=*/true);
@@ -287,6 +281,7 @@ int main(int argc, char** argv) {
 
   CommonFlags plan_flags;
   plan_flags.precision = "auto";
+  plan_flags.checkpoint = "auto";
   std::string plan_budget;
   bool plan_json_flag = false, plan_no_verify = false;
   CLI::App* plan_cmd = app.add_subcommand("plan", "choose micro-batch, precision and recomputed blocks for a budget");
@@ -294,6 +289,8 @@ int main(int argc, char** argv) {
   plan_cmd->add_option("--budget", plan_budget, "memory budget: 512MiB, 1.5GiB, 800MB, 1e9 or bytes")->required();
   plan_cmd->add_option("--precision", plan_flags.precision, "auto | fp32 | bf16 | fp16")->capture_default_str();
   plan_cmd->add_option("--micro-batch", plan_flags.micro_batch, "pin the micro-batch size");
+  plan_cmd->add_option("--checkpoint", plan_flags.checkpoint, "auto (solved) | none | all | every:K | i,j,... (pinned)")
+      ->capture_default_str();
   plan_cmd->add_flag("--keep-grads", plan_flags.keep_grads, "gradients kept between steps");
   plan_cmd->add_flag("--json", plan_json_flag, "JSON output");
   plan_cmd->add_flag("--no-verify", plan_no_verify, "predict only; do not run real steps");

@@ -15,7 +15,7 @@ cleanup() {
 trap cleanup EXIT
 cd "$dir" || exit 1
 small=(--layers 2 --d-model 64 --heads 4 --seq 32 --batch 8 --dropout 0 --no-progress --eval-every 0 --report "")
-pinned=(--checkpoint none --budget 64MiB)
+pinned=(--checkpoint none --precision fp32 --budget 64MiB)
 pass=0; fail=0
 ok() { pass=$((pass+1)); }
 bad() { fail=$((fail+1)); echo "FAILED: $*"; }
