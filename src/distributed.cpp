@@ -379,12 +379,32 @@ int64_t ShardedDataParallel::largest_optimized_parameter_bytes() const {
   return largest;
 }
 
+std::vector<RankStateBytes> predicted_rank_states(const std::vector<at::Tensor>& parameters, int world_size,
+                                                  int zero_stage) {
+  if (zero_stage < 0 || zero_stage > 2) {
+    throw std::invalid_argument("invalid --zero " + std::to_string(zero_stage) + ": expected 0, 1 or 2");
+  }
+  if (world_size < 1) throw std::invalid_argument("invalid --world-size " + std::to_string(world_size) + ": expected >= 1");
+  const std::vector<int> owner = partition_by_bytes(parameters, world_size);
+  int64_t total = 0;
+  std::vector<int64_t> owned(static_cast<size_t>(world_size), 0);
+  for (size_t i = 0; i < parameters.size(); ++i) {
+    total += static_cast<int64_t>(parameters[i].nbytes());
+    owned[static_cast<size_t>(owner[i])] += static_cast<int64_t>(parameters[i].nbytes());
+  }
+  std::vector<RankStateBytes> ranks;
+  for (int r = 0; r < world_size; ++r) {
+    RankStateBytes b;
+    b.weights = total;  // every rank holds all weights (ZeRO 3 would shard them too)
+    b.gradients = zero_stage == 2 ? owned[static_cast<size_t>(r)] : total;
+    b.optimizer_state = 2 * (zero_stage == 0 ? total : owned[static_cast<size_t>(r)]);  // AdamW: exp_avg, exp_avg_sq
+    ranks.push_back(b);
+  }
+  return ranks;
+}
+
 RankStateBytes ShardedDataParallel::predicted_state_bytes() const {
-  RankStateBytes b;
-  b.weights = total_bytes_;
-  b.gradients = stage_ == 2 ? owned_bytes_ : total_bytes_;
-  b.optimizer_state = 2 * (stage_ == 0 ? total_bytes_ : owned_bytes_);  // AdamW: exp_avg, exp_avg_sq
-  return b;
+  return predicted_rank_states(parameters_, world_size(), stage_).at(static_cast<size_t>(rank()));
 }
 
 void ShardedDataParallel::reduce_gradients() {

@@ -771,6 +771,29 @@ std::string render_plan_section(const json& doc) {
 }
 
 // ---------------------------------------------------------------------------
+// Section: data-parallel state bytes per rank (weights, gradients at the optimizer step, AdamW
+// state), which ZeRO stages 1 and 2 shard.
+
+std::string render_ranks_section(const json& doc) {
+  if (!doc.contains("ranks") || !doc["ranks"].is_array() || doc["ranks"].size() < 2) return "";
+  const int stage = doc.contains("zero_stage") && doc["zero_stage"].is_number_integer() ? doc["zero_stage"].get<int>() : 0;
+  std::string out;
+  append(out, R"(<section class="card"><h2>State per rank (ZeRO stage {})</h2>)", stage);
+  out += R"(<table id="ranks-table" class="data-table"><thead><tr><th>rank</th><th>weights</th><th>gradients</th>)"
+         R"(<th>optimizer state</th><th>total</th></tr></thead><tbody>)";
+  for (const json& r : doc["ranks"]) {
+    if (!r.is_object()) continue;
+    const int64_t wts = r.value("weights", int64_t{0}), grads = r.value("gradients", int64_t{0}),
+                  opt = r.value("optimizer_state", int64_t{0});
+    append(out, R"(<tr><td>{}</td><td title="{} bytes">{}</td><td title="{} bytes">{}</td><td title="{} bytes">{}</td><td>{}</td></tr>)",
+           r.value("rank", 0), wts, escape_html(format_bytes(wts)), grads, escape_html(format_bytes(grads)), opt,
+           escape_html(format_bytes(opt)), escape_html(format_bytes(wts + grads + opt)));
+  }
+  out += "</tbody></table></section>";
+  return out;
+}
+
+// ---------------------------------------------------------------------------
 // Section: per-step loss and memory for training runs.
 
 struct Series {
@@ -1019,6 +1042,7 @@ std::string render_html_report(const nlohmann::json& doc) {
 
   page += render_blocks_section(doc);
   page += render_plan_section(doc);
+  page += render_ranks_section(doc);
   page += render_steps_section(doc, has_budget, budget_bytes);
 
   page += "\n<script>";

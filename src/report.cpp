@@ -25,6 +25,11 @@ Report run_report(const ReportOptions& o) {
     r.block_recomputed.push_back(o.step.checkpoint.recomputes(i));
   }
   if (o.batch < 1) throw std::invalid_argument("invalid --batch " + std::to_string(o.batch) + ": expected >= 1");
+  if (o.world_size > o.batch) {
+    throw std::invalid_argument("invalid --world-size " + std::to_string(o.world_size) + ": each rank needs at least one of the " +
+                                std::to_string(o.batch) + " samples of --batch");
+  }
+  r.ranks = predicted_rank_states(w.chain->parameters(), o.world_size, o.zero_stage);  // checks both
   if (o.steps < 1) throw std::invalid_argument("invalid --steps " + std::to_string(o.steps) + ": expected >= 1");
   if (o.step.micro_batch > o.batch) {
     throw std::invalid_argument("invalid --micro-batch " + std::to_string(o.step.micro_batch) +
@@ -121,20 +126,33 @@ nlohmann::json report_json(const Report& r) {
   }
   j["blocks"] = blocks;
   j["loss"] = r.loss;
+  j["world_size"] = r.options.world_size;
+  j["zero_stage"] = r.options.zero_stage;
+  j["ranks"] = ranks_json(r.ranks);  // predicted per rank (see ReportOptions)
   return j;
 }
 
-nlohmann::json report_chart_document(const Report& r) {
+nlohmann::json ranks_json(const std::vector<RankStateBytes>& ranks) {
+  nlohmann::json a = nlohmann::json::array();
+  for (size_t r = 0; r < ranks.size(); ++r) {
+    a.push_back({{"rank", static_cast<int>(r)}, {"weights", ranks[r].weights}, {"gradients", ranks[r].gradients},
+                 {"optimizer_state", ranks[r].optimizer_state}});
+  }
+  return a;
+}
+
+nlohmann::json step_chart_document(const std::string& title, const StepAnalysis& a,
+                                   const std::vector<std::string>& block_names, const std::vector<bool>& recomputed) {
   nlohmann::json d;
-  d["title"] = "memfit report: " + r.description;
+  d["title"] = title;
   d["device"] = "cpu";
   d["budget_bytes"] = nullptr;
-  d["peak_bytes"] = r.analysis.peak_bytes;
-  d["peak_time_us"] = r.analysis.peak_t_ns / 1000;
+  d["peak_bytes"] = a.peak_bytes;
+  d["peak_time_us"] = a.peak_t_ns / 1000;
   d["categories"] = {"weights", "gradients", "optimizer_state", "activations", "other"};
-  d["at_peak"] = categories_json(r.analysis.at_peak);
+  d["at_peak"] = categories_json(a.at_peak);
   nlohmann::json timeline = nlohmann::json::array();
-  for (const auto& p : r.analysis.timeline) {
+  for (const auto& p : a.timeline) {
     timeline.push_back({{"t_us", p.t_ns / 1000},
                         {"phase", phase_name(p.phase)},
                         {"weights", p.live.weights},
@@ -145,12 +163,27 @@ nlohmann::json report_chart_document(const Report& r) {
   }
   d["timeline"] = timeline;
   nlohmann::json phases = nlohmann::json::array();
-  for (const auto& s : r.analysis.phases) {
+  for (const auto& s : a.phases) {
     phases.push_back({{"name", phase_name(s.phase)}, {"start_us", s.start_ns / 1000},
                       {"end_us", s.end_ns / 1000}, {"peak_bytes", s.peak_bytes}});
   }
   d["phases"] = phases;
-  d["blocks"] = report_json(r)["blocks"];
+  nlohmann::json blocks = nlohmann::json::array();
+  for (size_t i = 0; i < block_names.size(); ++i) {
+    blocks.push_back({{"name", block_names[i]},
+                      {"activation_bytes", a.block_activation_bytes.at(i)},
+                      {"recomputed", static_cast<bool>(recomputed.at(i))}});
+  }
+  d["blocks"] = blocks;
+  return d;
+}
+
+nlohmann::json report_chart_document(const Report& r) {
+  nlohmann::json d = step_chart_document("memfit report: " + r.description, r.analysis, r.block_names, r.block_recomputed);
+  if (r.ranks.size() > 1) {
+    d["ranks"] = ranks_json(r.ranks);
+    d["zero_stage"] = r.options.zero_stage;
+  }
   return d;
 }
 

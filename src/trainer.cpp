@@ -22,6 +22,7 @@
 #include "memfit/memory_tracker.h"
 #include "memfit/metrics.h"
 #include "memfit/planner.h"
+#include "memfit/report.h"
 #include "memfit/size.h"
 #include "memfit/step.h"
 
@@ -677,36 +678,14 @@ TrainSummary train(const TrainOptions& options, std::ostream& out) {
     }
     if (last && !o.report_html.empty()) {
       StepAnalysis a = analyze_step(*tracker, known, w.chain->size());
-      nlohmann::json d;
-      d["title"] = "memfit train: " + w.description;
-      d["device"] = "cpu";
-      d["budget_bytes"] = budget;
-      d["peak_bytes"] = a.peak_bytes;
-      d["peak_time_us"] = a.peak_t_ns / 1000;
-      d["categories"] = {"weights", "gradients", "optimizer_state", "activations", "other"};
-      d["at_peak"] = {{"weights", a.at_peak.weights}, {"gradients", a.at_peak.gradients},
-                      {"optimizer_state", a.at_peak.optimizer_state}, {"activations", a.at_peak.activations},
-                      {"other", a.at_peak.other}};
-      nlohmann::json tl = nlohmann::json::array();
-      for (const auto& p : a.timeline) {
-        tl.push_back({{"t_us", p.t_ns / 1000}, {"phase", phase_name(p.phase)}, {"weights", p.live.weights},
-                      {"gradients", p.live.gradients}, {"optimizer_state", p.live.optimizer_state},
-                      {"activations", p.live.activations}, {"other", p.live.other}});
-      }
-      d["timeline"] = tl;
-      nlohmann::json ph = nlohmann::json::array();
-      for (const auto& s : a.phases) {
-        ph.push_back({{"name", phase_name(s.phase)}, {"start_us", s.start_ns / 1000}, {"end_us", s.end_ns / 1000},
-                      {"peak_bytes", s.peak_bytes}});
-      }
-      d["phases"] = ph;
-      nlohmann::json blocks = nlohmann::json::array();
+      std::vector<std::string> names;
+      std::vector<bool> recomputed;
       for (int i = 0; i < w.chain->size(); ++i) {
-        blocks.push_back({{"name", w.chain->block(i).name},
-                          {"activation_bytes", a.block_activation_bytes.at(static_cast<size_t>(i))},
-                          {"recomputed", plan.checkpoint.recomputes(i)}});
+        names.push_back(w.chain->block(i).name);
+        recomputed.push_back(plan.checkpoint.recomputes(i));
       }
-      d["blocks"] = blocks;
+      nlohmann::json d = step_chart_document("memfit train: " + w.description, a, names, recomputed);
+      d["budget_bytes"] = budget;
       last_step_doc = d;
     }
   }
@@ -762,6 +741,12 @@ TrainSummary train(const TrainOptions& options, std::ostream& out) {
     rows.push_back({"measured peak (run)", format_bytes(summary.peak_bytes)});
     rows.push_back({"plain step, predicted", format_bytes(plan.plain_predicted_peak)});
     last_step_doc["plan"] = {{"rows", rows}};
+    if (summary.ranks.size() > 1) {
+      std::vector<RankStateBytes> ranks;
+      for (const auto& r : summary.ranks) ranks.push_back({r.weights, r.gradients, r.optimizer_state});
+      last_step_doc["ranks"] = ranks_json(ranks);
+      last_step_doc["zero_stage"] = summary.zero_stage;
+    }
     last_step_doc["steps"] = steps_json;
     write_html_report(o.report_html, last_step_doc);
     out << "  report: " << o.report_html << "\n";

@@ -113,6 +113,12 @@ struct RankStateBytes {
   int64_t optimizer_state = 0;  // AdamW: 2 x the bytes of the parameters this rank steps
 };
 
+// Every rank's state bytes at ZeRO `zero_stage` over `world_size` ranks, from the partition
+// alone (no process group needed): what `memfit report --world-size N --zero S` shows, and what
+// each rank of `memfit train` plans with. Throws std::invalid_argument for a bad stage or size.
+std::vector<RankStateBytes> predicted_rank_states(const std::vector<at::Tensor>& parameters, int world_size,
+                                                  int zero_stage);
+
 class ShardedDataParallel {
  public:
   // Partitions `parameters` (the same model, in the same order, on every rank), checks that

@@ -11,6 +11,7 @@
 #include <vector>
 
 #include "memfit/breakdown.h"
+#include "memfit/distributed.h"
 #include "memfit/step.h"
 #include "memfit/workload.h"
 
@@ -23,6 +24,11 @@ struct ReportOptions {
   StepOptions step;           // micro-batch, precision, checkpoint, set_to_none
   bool eval_only = false;     // inference only: forward passes under InferenceMode
   double learning_rate = 1e-3;
+  // Data-parallel training over world_size ranks at ZeRO zero_stage: the report adds each
+  // rank's state bytes, predicted from the same partition `memfit train` uses (the step
+  // itself runs in this one process).
+  int world_size = 1;
+  int zero_stage = 0;
 };
 
 struct Report {
@@ -39,6 +45,7 @@ struct Report {
   std::vector<std::string> block_names;
   std::vector<bool> block_recomputed;
   double loss = 0;
+  std::vector<RankStateBytes> ranks;  // world_size entries (one when not distributed)
 };
 
 // Creates its own MemoryTracker, installed on this thread for the call, before building the
@@ -47,7 +54,15 @@ Report run_report(const ReportOptions& options);
 
 // The JSON of `memfit report --json` (bytes as integers).
 nlohmann::json report_json(const Report& report);
-// The document the HTML report draws (timeline by category, phases, blocks).
+// The document the HTML report draws (timeline by category, phases, blocks, ranks).
 nlohmann::json report_chart_document(const Report& report);
+
+// The part of that document that describes one analysed step; `memfit train` adds its plan,
+// steps and budget to it. block_names and recomputed: one entry per block of the chain.
+nlohmann::json step_chart_document(const std::string& title, const StepAnalysis& analysis,
+                                   const std::vector<std::string>& block_names, const std::vector<bool>& recomputed);
+
+// [{"rank", "weights", "gradients", "optimizer_state"}, ...] for reports and summaries.
+nlohmann::json ranks_json(const std::vector<RankStateBytes>& ranks);
 
 }  // namespace memfit

@@ -124,6 +124,15 @@ void print_report_table(const Report& r) {
     const int64_t v = r.phase_peak[static_cast<int>(ph)];
     if (v > 0) fmt::print("  {:<18}{}\n", phase_name(ph), bytes_cell(v));
   }
+  if (r.ranks.size() > 1) {
+    fmt::print("\nState per rank, {} ranks at ZeRO stage {} (predicted from the parameter partition memfit train uses):\n",
+               r.ranks.size(), r.options.zero_stage);
+    for (size_t i = 0; i < r.ranks.size(); ++i) {
+      const auto& s = r.ranks[i];
+      fmt::print("  rank {:<3} weights {}  gradients {}  optimizer state {}\n", i, bytes_cell(s.weights),
+                 bytes_cell(s.gradients), bytes_cell(s.optimizer_state));
+    }
+  }
   fmt::print("\nActivations each block keeps for backward (end of forward):\n");
   for (size_t i = 0; i < r.block_names.size(); ++i) {
     fmt::print("  {:>3} {:<10}{}{}\n", i, r.block_names[i], bytes_cell(a.block_activation_bytes.at(i)),
@@ -131,9 +140,12 @@ void print_report_table(const Report& r) {
   }
 }
 
-int run_report_command(CommonFlags& f, int64_t steps, bool eval_only, bool json, const std::string& html) {
+int run_report_command(CommonFlags& f, int64_t steps, bool eval_only, bool json, const std::string& html,
+                       int world_size, int zero_stage) {
   apply_common(f);
   ReportOptions o;
+  o.world_size = world_size;
+  o.zero_stage = zero_stage;
   o.model = f.model;
   o.batch = f.batch;
   o.steps = steps;
@@ -278,6 +290,10 @@ int main(int argc, char** argv) {
   report->add_flag("--eval", report_eval, "inference only (InferenceMode)");
   report->add_flag("--json", report_json_flag, "exact JSON (bytes as integers) instead of a table");
   report->add_option("--html", report_html, "also write a self-contained HTML report to this file");
+  int report_world = 1, report_zero = 0;
+  report->add_option("--world-size", report_world, "also show state bytes per rank for this many data-parallel ranks")
+      ->capture_default_str();
+  report->add_option("--zero", report_zero, "ZeRO stage for --world-size: 0, 1 or 2")->capture_default_str();
 
   CommonFlags plan_flags;
   plan_flags.precision = "auto";
@@ -342,7 +358,7 @@ int main(int argc, char** argv) {
   }
 
   try {
-    if (report->parsed()) return run_report_command(report_flags, report_steps, report_eval, report_json_flag, report_html);
+    if (report->parsed()) return run_report_command(report_flags, report_steps, report_eval, report_json_flag, report_html, report_world, report_zero);
     if (plan_cmd->parsed()) return run_plan_command(plan_flags, plan_budget, plan_json_flag, !plan_no_verify);
     if (train_cmd->parsed()) return run_train_command(train_flags, train_options, train_budget, train_inject);
     if (launch_cmd->parsed()) return cli::launch(launch_options);

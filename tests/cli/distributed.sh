@@ -14,7 +14,8 @@ cleanup() {
 }
 trap cleanup EXIT
 cd "$dir" || exit 1
-small=(--layers 2 --d-model 64 --heads 4 --seq 32 --batch 8 --dropout 0 --no-progress --eval-every 0 --report "")
+base=(--layers 2 --d-model 64 --heads 4 --seq 32 --batch 8 --dropout 0 --no-progress --eval-every 0)
+small=("${base[@]}" --report "")  # no HTML report, except where one is checked
 pinned=(--checkpoint none --precision fp32 --budget 64MiB)
 pass=0; fail=0
 ok() { pass=$((pass+1)); }
@@ -36,8 +37,8 @@ wait_for() {  # file text seconds: wait until the file contains the text
 
 # 2. Two ranks, each 4 samples (one micro-batch) of the same global batch of 8, stages 0, 1, 2.
 for z in 0 1 2; do
-  "$memfit" launch --nproc 2 -- train "${small[@]}" "${pinned[@]}" --steps 4 --micro-batch 4 --zero $z --json-log z$z.jsonl \
-    --dump-weights z$z.bin > z$z.out 2>&1 || bad "stage $z run failed: $(tail -5 z$z.out)"
+  "$memfit" launch --nproc 2 -- train "${base[@]}" "${pinned[@]}" --steps 4 --micro-batch 4 --zero $z --json-log z$z.jsonl \
+    --dump-weights z$z.bin --report z$z.html > z$z.out 2>&1 || bad "stage $z run failed: $(tail -5 z$z.out)"
 done
 # A case that is not bit-exact: 3 ranks (3 + 3 + 2 samples), micro-batches of 2, stage 2,
 # against one process taking the batch of 8 at once.
@@ -62,6 +63,14 @@ def compare(ref_path, path):
 for z in ("z0.bin", "z1.bin", "z2.bin"):
     compare("single.bin", z)
 compare("single8.bin", "z2n3.bin")
+PY
+
+# Rank 0's HTML report shows both ranks' state.
+py z2.html <<'PY' && ok || bad "HTML report of a 2-rank run lacks the per-rank table"
+import sys
+html = open(sys.argv[1]).read()
+table = html[html.index('id="ranks-table"'):]
+assert table[:table.index("</table>")].count("<tr><td>") == 2
 PY
 
 # 3. State bytes per rank, measured by the tracker at the last optimizer step.

@@ -18,3 +18,24 @@ for phase in ("forward", "backward", "optimizer"):
     assert j["phases"][phase]["peak_bytes"] > 0
 print("cli report json: 1 passed, 0 failed")
 PY
+
+# Per-rank state (ZeRO 2 over 2 ranks): optimizer state and gradients about half each, summing
+# to the single-rank bytes; the HTML report shows one row per rank.
+dir=$(mktemp -d)
+trap 'rm -rf "$dir"' EXIT
+"$memfit" report --layers 2 --d-model 64 --heads 4 --seq 32 --batch 4 --steps 1 --world-size 2 --zero 2 --json \
+  --html "$dir/r.html" > "$dir/r.json"
+/usr/bin/python3 - "$dir/r.json" "$dir/r.html" <<'PY'
+import json, sys
+j = json.load(open(sys.argv[1]))
+ranks = j["ranks"]; b = j["parameters"] * 4
+assert j["world_size"] == 2 and j["zero_stage"] == 2 and len(ranks) == 2, ranks
+assert sum(r["optimizer_state"] for r in ranks) == 2 * b and sum(r["gradients"] for r in ranks) == b, ranks
+for r in ranks:
+    assert r["weights"] == b
+    assert abs(r["optimizer_state"] - b) <= 0.05 * b, (r, b)      # within 5% of (2 b) / 2
+html = open(sys.argv[2]).read()
+table = html[html.index('id="ranks-table"'):]
+assert table[:table.index("</table>")].count("<tr><td>") == 2
+print("cli report ranks: 1 passed, 0 failed")
+PY
