@@ -43,7 +43,7 @@ def segments(variant):
 
 
 def mib(b):
-    return "%.1f" % (b / MIB)
+    return ("%.1f" if b >= MIB else "%.3f") % (b / MIB)
 
 
 def ratio(seconds, eager_s):
