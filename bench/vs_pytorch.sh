@@ -23,7 +23,8 @@
 set -euo pipefail
 here=$(cd "$(dirname "$0")" && pwd)
 root=$(dirname "$here")
-command="bash bench/vs_pytorch.sh$(printf ' %q' "$@")"
+command="bash bench/vs_pytorch.sh"
+(($#)) && command+=$(printf ' %q' "$@")
 model=gpt threads=2 steps=5 out=$here build=$root/build segments=""
 while (($#)); do
   case $1 in
