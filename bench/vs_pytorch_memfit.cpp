@@ -3,14 +3,17 @@
 //
 //   plain        the whole batch, nothing recomputed, no budget (memfit's "eager")
 //   fp32_plan    Planner::plan(budget) in fp32, for each --budgets value
+//   mixed_plan   the same with mixed precision allowed (candidates fp32 and bf16; the planner
+//                picks the faster that fits; the step runs in the plan's precision)
 //   microbatch   the plan at 1.1 x (weights + gradients + AdamW state): the same batch of
 //                --batch samples, trained as micro-batches with gradient accumulation
 //
 // Each row: model, variant, budget_bytes, plan (description), predicted_peak_bytes, peak_bytes
 // (measured: the tracker's exact maximum over the steady-state steps), median_step_s, fits (no
-// OutOfMemoryError under the budget). The workload is built once and the Planner profiles it
-// once; every row trains the same model with a fresh AdamW (its first step, which creates the
-// optimizer state, is a warm-up and not timed; it runs under the budget too).
+// OutOfMemoryError under the budget), attempts (plans tried, as verify_plan tightens), notes.
+// The workload is built once; the Planner profiles it once per precision set (fp32 alone, then
+// fp32 + bf16). Every row trains the same model with a fresh AdamW; its first step, which
+// creates the optimizer state, is a warm-up, not timed, and runs under the budget too.
 //
 //   ./build/bench/vs_pytorch_memfit --model gpt --budgets 534641785,415832499 [--threads 2] [--steps 5]
 //       [--batch 16] [--layers 8 --d-model 256 --heads 8 --seq 128 --dropout 0.1] [--blocks 6 --channels 32]
@@ -39,6 +42,7 @@ struct Measured {
   bool fits = true;
   int64_t peak = 0;    // the largest tracker peak over the timed steps
   double seconds = 0;  // median of the timed steps
+  std::string error;   // a failure other than running out of memory (first line)
 };
 
 // One warm-up step (it creates AdamW's state), then `steps` timed steps, all under `budget`.
@@ -61,6 +65,12 @@ Measured measure(Workload& w, const Batch& data, const StepOptions& so, MemoryTr
   } catch (const c10::OutOfMemoryError&) {
     zero_grad(params, true);  // the failed step's partial gradients
     r.fits = false;
+    return r;
+  } catch (const std::exception& e) {  // e.g. an op autocast cannot run in this precision
+    zero_grad(params, true);
+    r.fits = false;
+    const std::string what = e.what();
+    r.error = what.substr(0, what.find('\n'));
     return r;
   }
   std::sort(times.begin(), times.end());
@@ -152,11 +162,13 @@ int main(int argc, char** argv) {
                                  {"threads", args.threads},
                                  {"steps", args.steps},
                                  {"command", command}};
-  auto emit = [&](const std::string& variant, int64_t budget, const Plan* plan, const Measured& m) {
+  auto emit = [&](const std::string& variant, int64_t budget, const Plan* plan, const Measured& m, int attempts) {
     nlohmann::json j = common;
     j["variant"] = variant;
+    j["attempts"] = attempts;
     j["budget_bytes"] = budget > 0 ? nlohmann::json(budget) : nlohmann::json(nullptr);
     j["feasible"] = plan == nullptr || plan->feasible;
+    if (plan != nullptr) j["notes"] = plan->notes;
     if (plan != nullptr && plan->feasible) {
       j["plan"] = describe(*plan);
       j["predicted_peak_bytes"] = plan->predicted_peak;
@@ -176,24 +188,42 @@ int main(int argc, char** argv) {
   };
 
   // The plain step first: it is memfit's own eager baseline.
-  emit("plain", 0, nullptr, measure(w, data, StepOptions{}, *tracker, BudgetAllocator::kUnlimited, args.steps));
+  emit("plain", 0, nullptr, measure(w, data, StepOptions{}, *tracker, BudgetAllocator::kUnlimited, args.steps), 1);
 
   PlanRequest req;
   req.batch = args.batch;
   Planner planner(w, data, req, *tracker);
+  // A plan that runs out of memory under its budget is planned again for 5% less, up to three
+  // attempts, and run under the real budget: what verify_plan (memfit plan, memfit train) does.
   auto run_plan = [&](const std::string& variant, const Planner& pl, int64_t budget) {
-    const Plan p = pl.plan(budget);
+    Plan p = pl.plan(budget);
     Measured m;
-    if (p.feasible) {
+    std::vector<std::string> retries;
+    for (int attempt = 1; p.feasible; ++attempt) {
       StepOptions so;
       so.micro_batch = p.micro_batch;
       so.precision = p.precision;
       so.checkpoint = p.checkpoint;
       m = measure(w, data, so, *tracker, budget, args.steps);
+      if (m.fits || !m.error.empty() || attempt == 3) break;
+      const auto tighter = static_cast<int64_t>(static_cast<double>(budget) * (1.0 - 0.05 * attempt));
+      retries.push_back(describe(p) + " ran out of memory under the budget: planned again for " +
+                        std::to_string(tighter) + " bytes");
+      p = pl.plan(tighter);
     }
-    emit(variant, budget, &p, m);
+    p.notes.insert(p.notes.end(), retries.begin(), retries.end());
+    if (!m.error.empty()) p.notes.push_back(describe(p) + " failed: " + m.error);
+    emit(variant, budget, &p, m, static_cast<int>(retries.size()) + 1);
   };
   for (int64_t budget : args.budgets) run_plan("fp32_plan", planner, budget);
+  {
+    // Mixed precision allowed: a Planner of its own, profiling bf16 too (a precision that fails
+    // on the model, like 1.13's GroupNorm under CPU bf16 autocast, is dropped with a note).
+    PlanRequest mixed = req;
+    mixed.precisions = {Precision::kFP32, Precision::kBF16};
+    Planner mixed_planner(w, data, mixed, *tracker);
+    for (int64_t budget : args.budgets) run_plan("mixed_plan", mixed_planner, budget);
+  }
   // Weights + gradients + AdamW's two moments, and 10% more: below anything a whole-batch
   // schedule reaches, since every one of them keeps some activations of all the samples.
   run_plan("microbatch", planner, static_cast<int64_t>(1.1 * static_cast<double>(4 * weight_bytes)));

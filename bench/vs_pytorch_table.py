@@ -70,9 +70,14 @@ def markdown(model, command, torch_rows, memfit_rows):
         if r is None:
             return "not run", None, None
         if not r["fits"]:
-            why = r["plan"] if not r.get("feasible", True) else "OutOfMemoryError under the budget"
-            return why, None, None
-        return r["plan"], r["peak_bytes"], r["median_step_s"]
+            if not r.get("feasible", True):
+                return r["plan"], None, None
+            failed = [n for n in r.get("notes", []) if " failed: " in n]
+            return (failed[-1] if failed else r["plan"] + ": OutOfMemoryError under the budget"), None, None
+        conf = r["plan"]
+        if r.get("attempts", 1) > 1:  # replanned tighter after running out of memory
+            conf += " (plan %d: the first ran out of memory)" % r["attempts"]
+        return conf, r["peak_bytes"], r["median_step_s"]
 
     out = []
     w = out.append
@@ -131,6 +136,11 @@ def markdown(model, command, torch_rows, memfit_rows):
                 smallest["peak_bytes"], mib(smallest["peak_bytes"]), segments(smallest["variant"])))
     # The goals (issue 6): memfit fp32 against the fastest checkpoint_sequential that fits, at a
     # measured peak that is no higher; and the best time at each budget when bf16 is allowed.
+    # A precision the planner dropped (it fails on this model) is said once.
+    dropped = sorted({n for r in memfit_rows for n in r.get("notes", []) if "not considered" in n})
+    for n in dropped:
+        w("")
+        w("Planner: %s" % n)
     w("")
     w("## Summary: time × PyTorch eager at each budget")
     w("")
