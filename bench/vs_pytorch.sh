@@ -1,0 +1,83 @@
+#!/usr/bin/env bash
+# memfit vs PyTorch 1.13, side by side, in one run on one machine: the PyTorch twin
+# (bench/pytorch_twin.py: eager, checkpoint_sequential with every segment count, bf16 autocast
+# for the GPT), then memfit (bench/vs_pytorch_memfit: its plain step, its plans at 100/90/70/50/35%
+# of PyTorch eager's measured peak, and the micro-batching row), same threads on both sides;
+# then bench/vs_pytorch_table.py writes the table and the plot.
+#
+#   bash bench/vs_pytorch.sh [--model gpt|cnn] [--threads N] [--steps N] [--out DIR] [--build DIR]
+#                            [--segments "2 4 8"] [-- MODEL FLAGS]
+#
+#   --model     gpt (default) or cnn
+#   --threads   torch, OpenMP and OpenBLAS threads on both sides (default 2)
+#   --steps     timed steps per variant; times are their medians (default 5)
+#   --out       where vs_pytorch_<model>.{jsonl,md,svg} go (default: bench/)
+#   --build     memfit's build directory (default: build), holding bench/vs_pytorch_memfit
+#   --segments  checkpoint_sequential segment counts (default: every count from 2 to the number
+#               of blocks after the first; 1 segment is eager)
+#   MODEL FLAGS passed to both sides: --layers --d-model --heads --seq --dropout (gpt),
+#               --blocks --channels (cnn), --batch, --seed
+#
+# Example (a tiny smoke run; the real comparison uses the defaults on an idle machine):
+#   bash bench/vs_pytorch.sh --steps 2 --out /tmp/vs -- --layers 2 --d-model 64 --heads 8 --seq 32
+set -euo pipefail
+here=$(cd "$(dirname "$0")" && pwd)
+root=$(dirname "$here")
+command="bash bench/vs_pytorch.sh"
+(($#)) && command+=$(printf ' %q' "$@")
+model=gpt threads=2 steps=5 out=$here build=$root/build segments=""
+while (($#)); do
+  case $1 in
+    --model) model=$2; shift 2 ;;
+    --threads) threads=$2; shift 2 ;;
+    --steps) steps=$2; shift 2 ;;
+    --out) out=$2; shift 2 ;;
+    --build) build=$2; shift 2 ;;
+    --segments) segments=$2; shift 2 ;;
+    --) shift; break ;;
+    *) echo "vs_pytorch: unknown flag '$1' (model flags go after --)" >&2; exit 2 ;;
+  esac
+done
+model_flags=("$@")
+[[ $model == gpt || $model == cnn ]] || { echo "vs_pytorch: --model must be gpt or cnn, got '$model'" >&2; exit 2; }
+
+py=/usr/bin/python3   # Debian's interpreter: the one that sees python3-torch
+"$py" -c 'import torch' 2>/dev/null ||
+  { echo "vs_pytorch: $py cannot import torch (python3-torch missing; scripts/setup.sh installs it)" >&2; exit 1; }
+bench_bin=$build/bench/vs_pytorch_memfit
+[[ -x $bench_bin ]] ||
+  { echo "vs_pytorch: $bench_bin not found (cmake --build $build --target vs_pytorch_memfit)" >&2; exit 1; }
+
+# Blocks after the first (which checkpoint_sequential leaves outside): GPT 2 x layers + head,
+# CNN blocks + head.
+flag_value() {  # flag_value NAME DEFAULT: the value of NAME among the model flags
+  local v=$2 i
+  for ((i = 0; i + 1 < ${#model_flags[@]}; i++)); do
+    [[ ${model_flags[i]} == "$1" ]] && v=${model_flags[i + 1]}
+  done
+  echo "$v"
+}
+if [[ $model == gpt ]]; then n=$((2 * $(flag_value --layers 8) + 1)); else n=$(($(flag_value --blocks 6) + 1)); fi
+[[ -n $segments ]] || segments=$(seq -s ' ' 2 "$n")
+
+# OpenBLAS sizes its pool when it is loaded: set it for both sides before either starts.
+export OPENBLAS_NUM_THREADS=$threads OMP_NUM_THREADS=$threads
+mkdir -p "$out"
+jsonl=$out/vs_pytorch_$model.jsonl
+: > "$jsonl"
+twin() {
+  echo "== PyTorch $*" >&2
+  "$py" "$here/pytorch_twin.py" --model "$model" "${model_flags[@]}" --threads "$threads" --steps "$steps" --json "$@" >> "$jsonl"
+}
+twin --variant eager
+for s in $segments; do twin --variant "ckpt_seq:$s"; done
+# The CNN has no bf16 row: 1.13's GroupNorm fails under CPU bf16 autocast (bench/PYTORCH_SIDE.md).
+[[ $model == cnn ]] || twin --variant autocast_bf16
+
+eager_peak=$("$py" -c 'import json, sys; print(json.loads(sys.stdin.readline())["peak_bytes"])' < "$jsonl")
+budgets=$(for p in 100 90 70 50 35; do echo $((eager_peak * p / 100)); done | paste -sd,)
+echo "== memfit, budgets $budgets (100/90/70/50/35% of PyTorch eager's $eager_peak B)" >&2
+"$bench_bin" --model "$model" "${model_flags[@]}" --threads "$threads" --steps "$steps" --budgets "$budgets" >> "$jsonl"
+
+"$py" "$here/vs_pytorch_table.py" "$jsonl" --model "$model" --command "$command" \
+  --md "$out/vs_pytorch_$model.md" --svg "$out/vs_pytorch_$model.svg"

@@ -1,0 +1,318 @@
+#!/usr/bin/python3
+"""Combines bench/vs_pytorch.sh's JSON lines into a Markdown table and an SVG plot.
+
+    /usr/bin/python3 bench/vs_pytorch_table.py RESULTS.jsonl --model gpt --command "bash bench/vs_pytorch.sh ..." \
+        --md bench/vs_pytorch_gpt.md --svg bench/vs_pytorch_gpt.svg
+
+Input: one JSON object per line, from bench/pytorch_twin.py --json (no "side" key; variants
+eager, ckpt_seq:S, autocast_bf16) and from bench/vs_pytorch_memfit ("side": "memfit"; variants
+plain, fp32_plan, mixed_plan, microbatch). Budgets are the distinct budget_bytes of the memfit
+rows; each is shown as a percentage of PyTorch's eager peak.
+
+Per budget the table shows PyTorch eager (if its peak fits), the fastest checkpoint_sequential
+whose measured peak fits (peak <= budget), memfit's fp32 plan and memfit's mixed-precision plan,
+each with its measured peak and its median step time as a ratio to PyTorch eager's, measured in
+the same run. The plot is the memory/time frontier: x = measured peak, y = step time / PyTorch
+eager. Standard library only (the driver runs it with Debian's python3).
+"""
+import argparse
+import json
+import math
+import sys
+from html import escape
+
+MIB = 1024.0 * 1024.0
+
+
+def load(path, model):
+    torch_rows, memfit_rows = [], []
+    with open(path) as f:
+        for line in f:
+            line = line.strip()
+            if not line.startswith("{"):
+                continue
+            r = json.loads(line)
+            if r.get("model") != model:
+                continue
+            (memfit_rows if r.get("side") == "memfit" else torch_rows).append(r)
+    return torch_rows, memfit_rows
+
+
+def segments(variant):
+    return int(variant.split(":")[1]) if variant.startswith("ckpt_seq:") else None
+
+
+def mib(b):
+    return ("%.1f" if b >= MIB else "%.3f") % (b / MIB)
+
+
+def ratio(seconds, eager_s):
+    return "%.2fx" % (seconds / eager_s) if seconds is not None and eager_s else "-"
+
+
+# ----------------------------------------------------------------------------- Markdown
+
+
+def markdown(model, command, torch_rows, memfit_rows):
+    eager = next(r for r in torch_rows if r["variant"] == "eager")
+    eager_peak, eager_s = eager["peak_bytes"], eager["median_step_s"]
+    ckpts = sorted((r for r in torch_rows if segments(r["variant"])), key=lambda r: segments(r["variant"]))
+    bf16 = next((r for r in torch_rows if r["variant"] == "autocast_bf16"), None)
+    plain = next((r for r in memfit_rows if r["variant"] == "plain"), None)
+    budgets = sorted({r["budget_bytes"] for r in memfit_rows if r["variant"] in ("fp32_plan", "mixed_plan")},
+                     reverse=True)
+
+    def memfit_at(variant, budget):
+        return next((r for r in memfit_rows if r["variant"] == variant and r["budget_bytes"] == budget), None)
+
+    def memfit_cell(r):
+        """(configuration, peak bytes or None, seconds or None)"""
+        if r is None:
+            return "not run", None, None
+        if not r["fits"]:
+            if not r.get("feasible", True):
+                return r["plan"], None, None
+            failed = [n for n in r.get("notes", []) if " failed: " in n]
+            return (failed[-1] if failed else r["plan"] + ": OutOfMemoryError under the budget"), None, None
+        conf = r["plan"]
+        if r.get("attempts", 1) > 1:  # replanned tighter after running out of memory
+            conf += " (plan %d: the first ran out of memory)" % r["attempts"]
+        return conf, r["peak_bytes"], r["median_step_s"]
+
+    out = []
+    w = out.append
+    w("# memfit vs PyTorch %s: %s" % (eager.get("torch", "?"), model))
+    w("")
+    w("Reproduce: `%s`" % command)
+    w("")
+    cfg = eager.get("config", {})
+    w("Model: %s. Batch %s, %s threads (torch and OpenBLAS on both sides), AdamW(lr 1e-3), "
+      "gradients released after each step. Peak bytes are exact: PyTorch's from the legacy profiler's "
+      "allocator records (bench/PYTORCH_SIDE.md), memfit's from its tracker; memfit runs every plan "
+      "under BudgetAllocator at the budget (an allocation past it throws). Times are medians of "
+      "%s steps, as ratios to PyTorch eager's median (%.3f s) from the same run." %
+      (", ".join("%s %s" % (k, v) for k, v in cfg.items() if k not in ("batch", "threads", "optimizer")),
+       cfg.get("batch", "?"), cfg.get("threads", "?"), len(eager.get("step_times_s", [])) or "?", eager_s))
+    loads = [r["loadavg_1m"] for r in torch_rows if "loadavg_1m" in r]
+    if loads:
+        w("PyTorch runs' 1-minute load averages ranged %.2f-%.2f; above ~0.5 the times are unreliable "
+          "on 2 cores." % (min(min(l) for l in loads), max(max(l) for l in loads)))
+    w("")
+    w("| budget | variant | configuration | measured peak (B) | MiB | fits | time × PyTorch eager |")
+    w("|---|---|---|---:|---:|:-:|---:|")
+    for b in budgets:
+        label = "%d%% (%s MiB)" % (round(100.0 * b / eager_peak), mib(b))
+        fits = eager_peak <= b
+        w("| %s | PyTorch eager | - | %d | %s | %s | %s |" % (
+            label, eager_peak, mib(eager_peak), "yes" if fits else "no", "1.00x" if fits else "-"))
+        fitting = [r for r in ckpts if r["peak_bytes"] <= b]
+        if fitting:
+            best = min(fitting, key=lambda r: r["median_step_s"])
+            w("| | best checkpoint_sequential | %d segments | %d | %s | yes | %s |" % (
+                segments(best["variant"]), best["peak_bytes"], mib(best["peak_bytes"]),
+                ratio(best["median_step_s"], eager_s)))
+        else:
+            w("| | best checkpoint_sequential | none fits | - | - | no | - |")
+        if bf16 is not None:
+            fits = bf16["peak_bytes"] <= b
+            w("| | PyTorch bf16 autocast | - | %d | %s | %s | %s |" % (
+                bf16["peak_bytes"], mib(bf16["peak_bytes"]), "yes" if fits else "no",
+                ratio(bf16["median_step_s"], eager_s) if fits else "-"))
+        for variant, name in (("fp32_plan", "memfit fp32 plan"), ("mixed_plan", "memfit, mixed precision allowed")):
+            conf, peak, secs = memfit_cell(memfit_at(variant, b))
+            w("| | %s | %s | %s | %s | %s | %s |" % (
+                name, conf, peak if peak is not None else "-", mib(peak) if peak is not None else "-",
+                "yes" if peak is not None else "no", ratio(secs, eager_s)))
+    micro = next((r for r in memfit_rows if r["variant"] == "microbatch"), None)
+    if micro is not None:
+        conf, peak, secs = memfit_cell(micro)
+        smallest = min(ckpts, key=lambda r: r["peak_bytes"]) if ckpts else None
+        w("| 1.1 × (weights + gradients + AdamW state) = %s MiB | memfit micro-batching | %s | %s | %s | %s | %s |" % (
+            mib(micro["budget_bytes"]), conf, peak if peak is not None else "-",
+            mib(peak) if peak is not None else "-", "yes" if peak is not None else "no", ratio(secs, eager_s)))
+        if smallest is not None:
+            w("")
+            w("The smallest peak any checkpoint_sequential reaches: %d B (%s MiB, %d segments)." % (
+                smallest["peak_bytes"], mib(smallest["peak_bytes"]), segments(smallest["variant"])))
+    # The goals (issue 6): memfit fp32 against the fastest checkpoint_sequential that fits, at a
+    # measured peak that is no higher; and the best time at each budget when bf16 is allowed.
+    # A precision the planner dropped (it fails on this model) is said once.
+    dropped = sorted({n for r in memfit_rows for n in r.get("notes", []) if "not considered" in n})
+    for n in dropped:
+        w("")
+        w("Planner: %s" % n)
+    w("")
+    w("## Summary: time × PyTorch eager at each budget")
+    w("")
+    w("| budget | best checkpoint_sequential | memfit fp32 | memfit fp32 / checkpoint_sequential | memfit peak <= its peak | memfit, mixed allowed |")
+    w("|---|---:|---:|---:|:-:|---:|")
+    for b in budgets:
+        fitting = [r for r in ckpts if r["peak_bytes"] <= b]
+        best = min(fitting, key=lambda r: r["median_step_s"]) if fitting else None
+        _, peak, secs = memfit_cell(memfit_at("fp32_plan", b))
+        _, _, mixed_secs = memfit_cell(memfit_at("mixed_plan", b))
+        both = best is not None and secs is not None
+        w("| %d%% | %s | %s | %s | %s | %s |" % (
+            round(100.0 * b / eager_peak), ratio(best["median_step_s"], eager_s) if best else "none fits",
+            ratio(secs, eager_s), "%.2fx" % (secs / best["median_step_s"]) if both else "-",
+            ("yes" if peak <= best["peak_bytes"] else "no") if both else "-", ratio(mixed_secs, eager_s)))
+    w("")
+    w("## All runs")
+    w("")
+    w("| side | variant | configuration | measured peak (B) | MiB | median step s | time × PyTorch eager |")
+    w("|---|---|---|---:|---:|---:|---:|")
+    for r in [eager] + ckpts + ([bf16] if bf16 else []):
+        w("| PyTorch | %s | - | %d | %s | %.4f | %s |" % (
+            r["variant"], r["peak_bytes"], mib(r["peak_bytes"]), r["median_step_s"], ratio(r["median_step_s"], eager_s)))
+    for r in memfit_rows:
+        budget = "" if r["budget_bytes"] is None else " @ %s MiB" % mib(r["budget_bytes"])
+        conf, peak, secs = memfit_cell(r)
+        w("| memfit | %s%s | %s | %s | %s | %s | %s |" % (
+            r["variant"], budget, conf, peak if peak is not None else "-", mib(peak) if peak is not None else "-",
+            "%.4f" % secs if secs is not None else "-", ratio(secs, eager_s)))
+    if plain is not None and plain["peak_bytes"] is not None:
+        w("")
+        w("memfit's plain step (no budget, nothing recomputed) peaks at %d B; PyTorch eager at %d B "
+          "(difference %+d B)." % (plain["peak_bytes"], eager_peak, plain["peak_bytes"] - eager_peak))
+    return "\n".join(out) + "\n"
+
+
+# ----------------------------------------------------------------------------- SVG
+
+
+def nice_step(span, target_ticks):
+    """A 1/2/5 x 10^k step giving about target_ticks ticks over span."""
+    raw = span / max(1, target_ticks)
+    mag = 10 ** math.floor(math.log10(raw))
+    return next(m * mag for m in (1, 2, 5, 10) if m * mag >= raw)
+
+
+def svg(model, command, torch_rows, memfit_rows):
+    eager = next(r for r in torch_rows if r["variant"] == "eager")
+    eager_s = eager["median_step_s"]
+    series = []  # (name, colour, marker, [(peak bytes, time ratio, label)], connect)
+
+    def pts(rows, label):
+        return [(r["peak_bytes"], r["median_step_s"] / eager_s, label(r)) for r in rows
+                if r.get("peak_bytes") is not None and r.get("median_step_s") is not None]
+
+    ckpts = sorted((r for r in torch_rows if segments(r["variant"])), key=lambda r: r["peak_bytes"])
+    series.append(("PyTorch eager", "#444444", "square", pts([eager], lambda r: "eager"), False))
+    series.append(("PyTorch checkpoint_sequential (S segments)", "#1f77b4", "circle",
+                   pts(ckpts, lambda r: "S=%d" % segments(r["variant"])), True))
+    bf16 = [r for r in torch_rows if r["variant"] == "autocast_bf16"]
+    if bf16:
+        series.append(("PyTorch bf16 autocast", "#9467bd", "diamond", pts(bf16, lambda r: "bf16"), False))
+    for variant, name, colour, marker in (("plain", "memfit plain step (no budget)", "#8c564b", "square"),
+                                          ("fp32_plan", "memfit fp32 plans", "#d62728", "triangle"),
+                                          ("mixed_plan", "memfit plans, mixed precision allowed", "#ff7f0e",
+                                           "triangle"),
+                                          ("microbatch", "memfit micro-batching (1.1 × weights+grads+AdamW)",
+                                           "#2ca02c", "cross")):
+        rows = sorted((r for r in memfit_rows if r["variant"] == variant and r["fits"]), key=lambda r: r["peak_bytes"])
+        if rows:
+            series.append((name, colour, marker, pts(rows, lambda r: ""), variant in ("fp32_plan", "mixed_plan")))
+
+    all_pts = [p for s in series for p in s[3]]
+    budgets = sorted({r["budget_bytes"] for r in memfit_rows if r["variant"] == "fp32_plan"})
+    x_max = max([p[0] for p in all_pts] + budgets) / MIB * 1.05
+    y_max = max(p[1] for p in all_pts) * 1.1
+    W, H = 980, 560
+    left, right, top, bottom = 80, 380, 70, 60
+    pw, ph = W - left - right, H - top - bottom
+    X = lambda b: left + (b / MIB) / x_max * pw  # noqa: E731
+    Y = lambda r: top + ph - r / y_max * ph  # noqa: E731
+
+    o = []
+    a = o.append
+    a('<svg xmlns="http://www.w3.org/2000/svg" width="%d" height="%d" viewBox="0 0 %d %d" '
+      'font-family="sans-serif" font-size="12">' % (W, H, W, H))
+    a("<!-- reproduce: %s -->" % escape(command).replace("--", "- -"))
+    a('<rect width="100%" height="100%" fill="white"/>')
+    a('<text x="%d" y="22" font-size="15" font-weight="bold">memfit vs PyTorch %s, %s: memory/time frontier</text>'
+      % (left, escape(str(eager.get("torch", "?"))), escape(model)))
+    a('<text x="%d" y="42" font-size="10" fill="#555">%s</text>' % (left, escape(command)))
+    # Budgets as faint vertical lines, labelled in % of PyTorch eager's peak.
+    for b in budgets:
+        x = X(b)
+        a('<line x1="%.1f" y1="%d" x2="%.1f" y2="%d" stroke="#ccc" stroke-dasharray="4 3"/>' % (x, top, x, top + ph))
+        a('<text x="%.1f" y="%d" font-size="10" fill="#888" text-anchor="middle">%d%%</text>'
+          % (x, top - 4, round(100.0 * b / eager["peak_bytes"])))
+    # Axes with ticks.
+    a('<line x1="%d" y1="%d" x2="%d" y2="%d" stroke="black"/>' % (left, top + ph, left + pw, top + ph))
+    a('<line x1="%d" y1="%d" x2="%d" y2="%d" stroke="black"/>' % (left, top, left, top + ph))
+    step = nice_step(x_max, 8)
+    for i in range(int(x_max / step) + 1):
+        v = i * step
+        x = left + v / x_max * pw
+        a('<line x1="%.1f" y1="%d" x2="%.1f" y2="%d" stroke="black"/>' % (x, top + ph, x, top + ph + 5))
+        a('<text x="%.1f" y="%d" text-anchor="middle">%g</text>' % (x, top + ph + 18, round(v, 6)))
+    step = nice_step(y_max, 6)
+    for i in range(int(y_max / step) + 1):
+        v = i * step
+        y = Y(v)
+        a('<line x1="%d" y1="%.1f" x2="%d" y2="%.1f" stroke="black"/>' % (left - 5, y, left, y))
+        a('<text x="%d" y="%.1f" text-anchor="end">%g</text>' % (left - 8, y + 4, round(v, 6)))
+    a('<line x1="%d" y1="%.1f" x2="%d" y2="%.1f" stroke="#999"/>' % (left, Y(1.0), left + pw, Y(1.0)))
+    a('<text x="%d" y="%d" text-anchor="middle">measured peak (MiB, exact bytes from the allocator)</text>'
+      % (left + pw // 2, H - 15))
+    a('<text transform="translate(22 %d) rotate(-90)" text-anchor="middle">step time / PyTorch eager (medians)</text>'
+      % (top + ph // 2))
+
+    def marker(kind, x, y, colour):
+        if kind == "circle":
+            return '<circle cx="%.1f" cy="%.1f" r="4.5" fill="%s"/>' % (x, y, colour)
+        if kind == "square":
+            return '<rect x="%.1f" y="%.1f" width="9" height="9" fill="%s"/>' % (x - 4.5, y - 4.5, colour)
+        if kind == "diamond":
+            return '<path d="M %.1f %.1f l 6 6 l -6 6 l -6 -6 z" fill="%s"/>' % (x, y - 6, colour)
+        if kind == "triangle":
+            return '<path d="M %.1f %.1f l 6 10 l -12 0 z" fill="%s"/>' % (x, y - 6, colour)
+        return ('<path d="M %.1f %.1f l 10 10 M %.1f %.1f l -10 10" stroke="%s" stroke-width="2.5"/>'
+                % (x - 5, y - 5, x + 5, y - 5, colour))
+
+    for name, colour, kind, points, connect in series:
+        if connect and len(points) > 1:
+            a('<polyline fill="none" stroke="%s" stroke-width="1.5" points="%s"/>'
+              % (colour, " ".join("%.1f,%.1f" % (X(p[0]), Y(p[1])) for p in points)))
+        for p in points:
+            a('<g>%s<title>%s: %s, %d B (%.1f MiB), %.2fx</title></g>' % (
+                marker(kind, X(p[0]), Y(p[1]), colour), escape(name), escape(p[2]), p[0], p[0] / MIB, p[1]))
+            if p[2] and kind == "circle":
+                a('<text x="%.1f" y="%.1f" font-size="9" fill="%s">%s</text>' % (X(p[0]) + 6, Y(p[1]) - 6, colour,
+                                                                                 escape(p[2])))
+    # Legend.
+    lx, ly = left + pw + 20, top + 10
+    for i, (name, colour, kind, points, connect) in enumerate(series):
+        y = ly + i * 24
+        a(marker(kind, lx + 6, y, colour))
+        a('<text x="%d" y="%d" font-size="11">%s</text>' % (lx + 18, y + 4, escape(name)))
+    a("</svg>")
+    return "\n".join(o) + "\n"
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("jsonl")
+    p.add_argument("--model", required=True, choices=["gpt", "cnn"])
+    p.add_argument("--command", required=True, help="the command that reproduces the results")
+    p.add_argument("--md", required=True)
+    p.add_argument("--svg", required=True)
+    a = p.parse_args(argv)
+    torch_rows, memfit_rows = load(a.jsonl, a.model)
+    if not any(r["variant"] == "eager" for r in torch_rows):
+        print("vs_pytorch_table: no PyTorch eager row for %s in %s" % (a.model, a.jsonl), file=sys.stderr)
+        return 1
+    if not memfit_rows:
+        print("vs_pytorch_table: no memfit rows for %s in %s" % (a.model, a.jsonl), file=sys.stderr)
+        return 1
+    with open(a.md, "w") as f:
+        f.write(markdown(a.model, a.command, torch_rows, memfit_rows))
+    with open(a.svg, "w") as f:
+        f.write(svg(a.model, a.command, torch_rows, memfit_rows))
+    print("wrote %s and %s" % (a.md, a.svg), file=sys.stderr)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
