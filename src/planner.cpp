@@ -59,6 +59,10 @@ ChainProfile profile_chain(Workload& w, const Batch& batch, int64_t m, Precision
     BlockCost c;
     const auto block_params = chain.block(i).module->parameters();
     for (const auto& p : block_params) c.param_bytes += static_cast<int64_t>(p.storage().nbytes());
+    if (precision != Precision::kFP32) {
+      const int64_t element = static_cast<int64_t>(c10::elementSize(precision_dtype(precision)));
+      for (const auto& p : autocast_cast_parameters(*chain.block(i).module)) c.cast_bytes += p.numel() * element;
+    }
     const bool last = i == n - 1;
     at::Tensor xi = x.is_floating_point() ? x.detach().requires_grad_(true) : x;
 
@@ -239,6 +243,7 @@ ChainCosts Planner::costs_at(int64_t m, const PrecisionProfile& p) const {
     f.forward_nograd_peak = fit_bytes(m1, s.forward_nograd_peak, m2, l.forward_nograd_peak, m);
     f.backward_peak = fit_bytes(m1, s.backward_peak, m2, l.backward_peak, m);
     f.param_bytes = s.param_bytes;
+    f.cast_bytes = s.cast_bytes;
     for (int64_t* v : {&f.kept_bytes, &f.forward_peak, &f.forward_nograd_peak, &f.backward_peak}) {
       *v = static_cast<int64_t>(std::llround(static_cast<double>(*v) * p.calibration));
     }

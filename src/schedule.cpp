@@ -18,11 +18,16 @@ struct Unit {
 struct Model {
   const ChainCosts& c;
   std::vector<int64_t> grads_after;  // grads_after[k]: gradient bytes of blocks > k
+  std::vector<int64_t> casts_from;   // casts_from[k]: autocast copies of blocks >= k (cached ahead)
 
   explicit Model(const ChainCosts& costs) : c(costs) {
     const int n = static_cast<int>(c.blocks.size());
     grads_after.assign(static_cast<size_t>(n) + 1, 0);
-    for (int k = n - 1; k >= 0; --k) grads_after[k] = grads_after[k + 1] + (k + 1 < n ? c.blocks[k + 1].param_bytes : 0);
+    casts_from.assign(static_cast<size_t>(n) + 1, 0);
+    for (int k = n - 1; k >= 0; --k) {
+      grads_after[k] = grads_after[k + 1] + (k + 1 < n ? c.blocks[k + 1].param_bytes : 0);
+      casts_from[k] = casts_from[k + 1] + c.blocks[k].cast_bytes;
+    }
   }
   const BlockCost& b(int k) const { return c.blocks[static_cast<size_t>(k)]; }
   // Never negative: fitted and calibrated numbers can undershoot the output's exact size.
@@ -37,7 +42,12 @@ struct Model {
     return (next_checkpointed || b(k).output_kept) ? b(k).output_bytes : 0;
   }
   // What unit u adds to the held bytes, its last output excepted (resolved by the next unit).
-  int64_t held(const Unit& u) const { return u.checkpointed ? c.segment_overhead_bytes : internal(u.first); }
+  // A checkpointed segment's weight casts stay cached until forward ends (counted through
+  // backward too: a small overestimate that keeps the model on the safe side).
+  int64_t held(const Unit& u) const {
+    if (!u.checkpointed) return internal(u.first);
+    return c.segment_overhead_bytes + casts_from[u.first] - casts_from[u.last + 1];
+  }
 
   // The highest live bytes while unit u runs forward and backward, given `before` bytes held by
   // the units before it (their pending output included).
@@ -46,12 +56,14 @@ struct Model {
     const int64_t grads = c.gradients_present ? all_grads() : grads_after[u.last];
     const int64_t delta = b(u.last).output_bytes;  // the gradient arriving from the next unit
     int64_t p = 0;
+    // In forward, the casts of the blocks ahead are already cached (the step makes them all
+    // first); a block's own cast is part of its measured forward peak.
     if (!u.checkpointed) {
-      p = std::max(p, base + b(u.first).forward_peak);
+      p = std::max(p, base + casts_from[u.first + 1] + b(u.first).forward_peak);
       p = std::max(p, base + grads + delta + internal(u.first) + b(u.first).backward_peak);
       return p;
     }
-    for (int k = u.first; k <= u.last; ++k) p = std::max(p, base + b(k).forward_nograd_peak);
+    for (int k = u.first; k <= u.last; ++k) p = std::max(p, base + casts_from[k + 1] + b(k).forward_nograd_peak);
     // Backward: the segment runs again keeping everything, then its blocks' backward.
     int64_t kept = 0;
     for (int k = u.first; k <= u.last; ++k) {

@@ -27,6 +27,9 @@ struct BlockCost {
   int64_t forward_nograd_peak = 0;  // the same without grad (inside a checkpointed segment)
   int64_t backward_peak = 0;     // above the live bytes at its backward's start (incl. its param grads)
   int64_t param_bytes = 0;       // its parameters (their gradients appear in its backward)
+  int64_t cast_bytes = 0;        // autocast's low-precision copies of its weights (0 in fp32): a
+                                 // step makes all of them before forward and caches them until
+                                 // forward ends (plain blocks' copies then live on in the graph)
 };
 
 struct ChainCosts {
