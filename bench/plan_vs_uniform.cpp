@@ -3,12 +3,14 @@
 // step's measured peak. Peaks in exact bytes from the tracker; times as ratios of medians
 // measured in this run.
 //
-//   ./build/bench/plan_vs_uniform [--model gpt|cnn] [--steps N] [--threads N]
+//   source bench/quiet_env.sh   # OpenMP wait policy and malloc settings: see there
+//   ./build/bench/plan_vs_uniform [--model gpt|cnn] [--batch N] [--rounds R] [--steps N] [--threads N]
 #include <torch/torch.h>
 
 #include <algorithm>
 #include <chrono>
 #include <cstdio>
+#include <cstdlib>
 #include <string>
 #include <vector>
 
@@ -21,33 +23,36 @@ namespace {
 struct Measured {
   bool fits = true;
   int64_t peak = 0;
-  double seconds = 0;  // median of steady-state steps
+  std::vector<double> times;  // timed steps of every round
+  double median() const {
+    std::vector<double> t = times;
+    std::sort(t.begin(), t.end());
+    return t.empty() ? 0.0 : t[t.size() / 2];
+  }
 };
 
-Measured measure(Workload& w, const Batch& data, const StepOptions& so, MemoryTracker& tracker, int64_t budget,
-                 int steps) {
-  Measured r;
+// One round: a fresh AdamW, one untimed step (its optimizer state appears), then `steps`
+// timed steps, all under `budget`. Rounds of the variants being compared alternate, so slow
+// spells of this shared machine fall on all of them alike.
+void round(Workload& w, const Batch& data, const StepOptions& so, MemoryTracker& tracker, int64_t budget, int steps,
+           Measured& r) {
+  if (!r.fits) return;
   auto params = w.chain->parameters();
   torch::optim::AdamW optimizer(params, torch::optim::AdamWOptions(1e-3));
-  std::vector<double> times;
   BudgetGuard guard(budget);
   try {
     for (int s = 0; s < steps + 1; ++s) {
       tracker.reset_peak();
       const auto t0 = std::chrono::steady_clock::now();
       train_step(w, optimizer, data, so);
-      if (s == 0) continue;  // optimizer state appears in the first step
-      times.push_back(std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count());
+      if (s == 0) continue;
+      r.times.push_back(std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count());
       r.peak = std::max(r.peak, tracker.peak());
     }
   } catch (const c10::OutOfMemoryError&) {
     zero_grad(params, true);
     r.fits = false;
-    return r;
   }
-  std::sort(times.begin(), times.end());
-  r.seconds = times[times.size() / 2];
-  return r;
 }
 
 }  // namespace
@@ -57,13 +62,14 @@ int main(int argc, char** argv) {
   auto tracker = std::make_shared<MemoryTracker>();
   TrackerScope scope(tracker);
   ModelOptions m;
-  int steps = 3, threads = 2;
+  int steps = 2, threads = 2, rounds = 3;
   int64_t batch = 16;
   for (int i = 1; i + 1 < argc; i += 2) {
     const std::string k = argv[i];
     if (k == "--model") m.model = argv[i + 1];
     else if (k == "--steps") steps = std::atoi(argv[i + 1]);
     else if (k == "--threads") threads = std::atoi(argv[i + 1]);
+    else if (k == "--rounds") rounds = std::atoi(argv[i + 1]);
     else if (k == "--batch") batch = std::atoll(argv[i + 1]);
     else { std::fprintf(stderr, "plan_vs_uniform: unknown flag %s\n", argv[i]); return 2; }
   }
@@ -76,54 +82,67 @@ int main(int argc, char** argv) {
   const int n = w.chain->size();
 
   StepOptions plain_options;
-  const Measured plain = measure(w, data, plain_options, *tracker, BudgetAllocator::kUnlimited, steps);
-  std::printf("command: %s", argv[0]);
+  const char* wait = std::getenv("OMP_WAIT_POLICY");
+  std::printf("command: %s", wait ? "source bench/quiet_env.sh && " : "");
+  std::printf("%s", argv[0]);
   for (int i = 1; i < argc; ++i) std::printf(" %s", argv[i]);
-  std::printf("\n%s; batch %lld, %d threads, medians of %d steps\n", w.description.c_str(),
-              static_cast<long long>(batch), threads, steps);
-  std::printf("plain step: peak %lld bytes (%s), %.3f s\n\n", static_cast<long long>(plain.peak),
-              format_bytes(plain.peak).c_str(), plain.seconds);
+  std::printf("\n%s; batch %lld, %d threads; per budget, %d alternating rounds of plain / memfit / uniform, "
+              "each 1 untimed + %d timed steps; times are medians\n\n",
+              w.description.c_str(), static_cast<long long>(batch), threads, rounds, steps);
+  Measured plain_peak;
+  round(w, data, plain_options, *tracker, BudgetAllocator::kUnlimited, 1, plain_peak);
+  std::printf("plain step: peak %lld bytes (%s)\n\n", static_cast<long long>(plain_peak.peak), format_bytes(plain_peak.peak).c_str());
   std::printf("| budget | memfit plan | predicted peak | measured peak | pred. err | time vs plain | uniform (S segments) | measured peak | time vs plain | memfit / uniform time |\n");
   std::printf("|---|---|---:|---:|---:|---:|---|---:|---:|---:|\n");
   for (int percent : {90, 70, 50, 35}) {
-    const int64_t budget = plain.peak * percent / 100;
+    const int64_t budget = plain_peak.peak * percent / 100;
     Plan p = planner.plan(budget);
-    Measured mine;
+    StepOptions mine_options;
     std::string plan_text = "infeasible";
     if (p.feasible) {
-      StepOptions so;
-      so.micro_batch = p.micro_batch;
-      so.checkpoint = p.checkpoint;
-      mine = measure(w, data, so, *tracker, budget, steps);
+      mine_options.micro_batch = p.micro_batch;
+      mine_options.checkpoint = p.checkpoint;
       plan_text = std::to_string(p.micro_batch) + "x" + std::to_string(p.accumulation) + ", recompute " +
                   p.checkpoint.describe();
     }
-    // Uniform: the fewest segments whose prediction fits, then measured; more if it does not fit.
-    Measured uni;
+    // Uniform: the fewest segments whose prediction fits and whose one-step run fits.
+    StepOptions uni_options;
     int chosen = 0;
-    for (int s = 1; s <= n; ++s) {
+    for (int s = 1; s <= n && chosen == 0; ++s) {
       const Schedule sched = planner.uniform(batch, s);
       if (sched.peak_bytes > budget && s < n) continue;
       StepOptions so;
       so.checkpoint.segments = sched.segments;
-      uni = measure(w, data, so, *tracker, budget, steps);
-      if (uni.fits) {
+      Measured probe;
+      round(w, data, so, *tracker, budget, 1, probe);
+      if (probe.fits) {
         chosen = s;
-        break;
+        uni_options = so;
       }
     }
-    auto cell = [](const Measured& r) {
-      return r.fits ? std::to_string(r.peak) : std::string("OOM");
+    Measured plain, mine, uni;
+    mine.fits = p.feasible;
+    uni.fits = chosen > 0;
+    for (int r = 0; r < rounds; ++r) {
+      round(w, data, plain_options, *tracker, BudgetAllocator::kUnlimited, steps, plain);
+      round(w, data, mine_options, *tracker, budget, steps, mine);
+      round(w, data, uni_options, *tracker, budget, steps, uni);
+    }
+    auto cell = [](const Measured& r) { return r.fits ? std::to_string(r.peak) : std::string("OOM"); };
+    auto ratio = [](double a, double b) {
+      char buf[32];
+      std::snprintf(buf, sizeof buf, "%.2fx", a / b);
+      return std::string(buf);
     };
     const double err = mine.fits && mine.peak > 0
                            ? 100.0 * static_cast<double>(p.predicted_peak - mine.peak) / static_cast<double>(mine.peak)
                            : 0.0;
-    std::printf("| %d%% (%s) | %s | %lld | %s | %+.1f%% | %.2fx | %s | %s | %s | %s |\n", percent,
+    std::printf("| %d%% (%s) | %s | %lld | %s | %+.1f%% | %s | %s | %s | %s | %s |\n", percent,
                 format_bytes(budget).c_str(), plan_text.c_str(), static_cast<long long>(p.predicted_peak),
-                cell(mine).c_str(), err, mine.fits ? mine.seconds / plain.seconds : 0.0,
+                cell(mine).c_str(), err, mine.fits ? ratio(mine.median(), plain.median()).c_str() : "-",
                 chosen ? ("S=" + std::to_string(chosen)).c_str() : "none fits", cell(uni).c_str(),
-                uni.fits && chosen ? (std::to_string(uni.seconds / plain.seconds).substr(0, 4) + "x").c_str() : "-",
-                mine.fits && uni.fits && chosen ? (std::to_string(mine.seconds / uni.seconds).substr(0, 4) + "x").c_str() : "-");
+                uni.fits ? ratio(uni.median(), plain.median()).c_str() : "-",
+                mine.fits && uni.fits ? ratio(mine.median(), uni.median()).c_str() : "-");
     std::fflush(stdout);
   }
   return 0;

@@ -60,8 +60,10 @@ flag_value() {  # flag_value NAME DEFAULT: the value of NAME among the model fla
 if [[ $model == gpt ]]; then n=$((2 * $(flag_value --layers 8) + 1)); else n=$(($(flag_value --blocks 6) + 1)); fi
 [[ -n $segments ]] || segments=$(seq -s ' ' 2 "$n")
 
-# OpenBLAS sizes its pool when it is loaded: set it for both sides before either starts.
+# OpenBLAS sizes its pool when it is loaded: set it for both sides before either starts; the
+# same OpenMP wait policy and malloc settings for both sides too (see quiet_env.sh).
 export OPENBLAS_NUM_THREADS=$threads OMP_NUM_THREADS=$threads
+source "$here/quiet_env.sh"
 mkdir -p "$out"
 jsonl=$out/vs_pytorch_$model.jsonl
 : > "$jsonl"

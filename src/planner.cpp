@@ -198,6 +198,17 @@ Planner::Planner(Workload& workload, const Batch& batch, const PlanRequest& requ
     int64_t measured = 0;
     pp.chain_seconds_large = std::min(run(b, &measured), run(b, nullptr));
     pp.chain_seconds_small = b > a ? std::min(run(a, nullptr), run(a, nullptr)) : pp.chain_seconds_large;
+    if (request.batch > b) {
+      // The whole batch too, for the time line above b (where micro-batching is decided), but
+      // with every block recomputed, so that profiling needs little more memory than the
+      // smallest plan. The same run at b, against the plain one there, says what recomputing
+      // costs; that ratio takes it out again.
+      plain.checkpoint = CheckpointPlan::all(workload.chain->size());
+      const double all_large = std::min(run(b, nullptr), run(b, nullptr));
+      const double all_full = std::min(run(request.batch, nullptr), run(request.batch, nullptr));
+      plain.checkpoint = CheckpointPlan::none();
+      pp.chain_seconds_full = all_large > 0 ? all_full * pp.chain_seconds_large / all_large : all_full;
+    }
     profiles_.push_back(pp);
     ChainCosts modelled = costs_at(b, profiles_.back());
     modelled.fixed_bytes = 0;
@@ -253,7 +264,12 @@ ChainCosts Planner::costs_at(int64_t m, const PrecisionProfile& p) const {
   // falling with m and never below zero at m = 0 (a fixed cost per micro-batch is real; a
   // negative one would make small micro-batches look cheaper per sample than they are).
   double chain = p.chain_seconds_large;
-  if (m2 > m1) {
+  const int64_t B = request_.batch;
+  if (m > m2 && B > m2 && p.chain_seconds_full > 0) {
+    // Above the larger profiled size: the line to the whole batch's estimate.
+    const double slope = std::max(0.0, (p.chain_seconds_full - p.chain_seconds_large) / static_cast<double>(B - m2));
+    chain = p.chain_seconds_large + slope * static_cast<double>(m - m2);
+  } else if (m2 > m1) {
     const double slope = std::max(0.0, (p.chain_seconds_large - p.chain_seconds_small) / static_cast<double>(m2 - m1));
     const double intercept = p.chain_seconds_large - slope * static_cast<double>(m2);
     chain = intercept >= 0 ? intercept + slope * static_cast<double>(m)

@@ -1,6 +1,6 @@
 #include "memfit/trainer.h"
 
-#include <openssl/sha.h>
+#include <openssl/evp.h>
 #include <torch/torch.h>
 #include <unistd.h>
 
@@ -12,6 +12,7 @@
 #include <fstream>
 #include <iostream>
 #include <limits>
+#include <memory>
 #include <sstream>
 
 #include "memfit/accumulation.h"
@@ -47,16 +48,22 @@ constexpr double kMargin = 0.03;  // the plan keeps 3% of the budget free for wh
 }  // namespace
 
 std::string weights_sha256(const torch::nn::Module& module) {
-  SHA256_CTX ctx;
-  SHA256_Init(&ctx);
+  // OpenSSL 3's EVP interface (the SHA256_* functions are deprecated there).
+  std::unique_ptr<EVP_MD_CTX, decltype(&EVP_MD_CTX_free)> ctx(EVP_MD_CTX_new(), &EVP_MD_CTX_free);
+  if (!ctx || EVP_DigestInit_ex(ctx.get(), EVP_sha256(), nullptr) != 1) throw std::runtime_error("sha256: cannot initialise OpenSSL's digest");
   for (const auto& p : module.parameters()) {
     auto c = p.detach().contiguous();
-    SHA256_Update(&ctx, c.data_ptr(), c.numel() * static_cast<int64_t>(c.element_size()));
+    EVP_DigestUpdate(ctx.get(), c.data_ptr(), static_cast<size_t>(c.numel()) * c.element_size());
   }
-  unsigned char digest[SHA256_DIGEST_LENGTH];
-  SHA256_Final(digest, &ctx);
-  char hex[2 * SHA256_DIGEST_LENGTH + 1];
-  for (int i = 0; i < SHA256_DIGEST_LENGTH; ++i) std::snprintf(hex + 2 * i, 3, "%02x", digest[i]);
+  unsigned char digest[EVP_MAX_MD_SIZE];
+  unsigned int length = 0;
+  EVP_DigestFinal_ex(ctx.get(), digest, &length);
+  std::string hex;
+  char two[3];
+  for (unsigned int i = 0; i < length; ++i) {
+    std::snprintf(two, sizeof two, "%02x", digest[i]);
+    hex += two;
+  }
   return hex;
 }
 

@@ -68,6 +68,8 @@ struct PrecisionProfile {
   double calibration = 1.0;            // measured / modelled bytes of the plain chain
   double chain_seconds_small = 0;      // forward + backward of the plain chain, best of two
   double chain_seconds_large = 0;
+  double chain_seconds_full = 0;       // the whole batch (estimated from a run recomputing every
+                                       // block, which needs little memory); 0: not measured
 };
 
 struct Plan {
