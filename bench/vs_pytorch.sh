@@ -81,5 +81,19 @@ budgets=$(for p in 100 90 70 50 35; do echo $((eager_peak * p / 100)); done | pa
 echo "== memfit, budgets $budgets (100/90/70/50/35% of PyTorch eager's $eager_peak B)" >&2
 "$bench_bin" --model "$model" "${model_flags[@]}" --threads "$threads" --steps "$steps" --budgets "$budgets" >> "$jsonl"
 
+# The base comparison: the two sides' plain steps run one after the other take minutes, and this
+# machine's speed drifts over minutes by more than the differences measured. So PyTorch eager
+# and memfit's plain step (the same computation) run alternately, 3 times each, just now; the
+# table scales memfit's times by that ratio (vs_pytorch_table.py says how).
+tag() { "$py" -c 'import json, sys
+for line in sys.stdin:
+    if line.startswith("{"):
+        r = json.loads(line); r["base"] = True; print(json.dumps(r))'; }
+for i in 1 2 3; do
+  echo "== base comparison $i/3: PyTorch eager, memfit plain" >&2
+  "$py" "$here/pytorch_twin.py" --model "$model" "${model_flags[@]}" --threads "$threads" --steps 3 --json --variant eager | tag >> "$jsonl"
+  "$bench_bin" --model "$model" "${model_flags[@]}" --threads "$threads" --steps 3 --plain-only 1 | tag >> "$jsonl"
+done
+
 "$py" "$here/vs_pytorch_table.py" "$jsonl" --model "$model" --command "$command" \
   --md "$out/vs_pytorch_$model.md" --svg "$out/vs_pytorch_$model.svg"

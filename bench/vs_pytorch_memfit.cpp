@@ -100,6 +100,7 @@ struct Args {
   int64_t batch = 16;
   int threads = 2, steps = 5;
   std::vector<int64_t> budgets;
+  bool plain_only = false;  // --plain-only 1: the plain row alone (the driver's base comparison)
 };
 
 Args parse(int argc, char** argv) {
@@ -120,6 +121,7 @@ Args parse(int argc, char** argv) {
     else if (k == "--batch") a.batch = parse_int(k, v);
     else if (k == "--threads") a.threads = static_cast<int>(parse_int(k, v));
     else if (k == "--steps") a.steps = static_cast<int>(parse_int(k, v));
+    else if (k == "--plain-only") a.plain_only = parse_int(k, v) != 0;
     else if (k == "--budgets") {
       std::stringstream ss(v);
       for (std::string item; std::getline(ss, item, ',');) a.budgets.push_back(parse_int(k, item));
@@ -189,6 +191,7 @@ int main(int argc, char** argv) {
 
   // The plain step first: it is memfit's own eager baseline.
   emit("plain", 0, nullptr, measure(w, data, StepOptions{}, *tracker, BudgetAllocator::kUnlimited, args.steps), 1);
+  if (args.plain_only) return 0;
 
   PlanRequest req;
   req.batch = args.batch;

@@ -17,6 +17,7 @@ eager. Standard library only (the driver runs it with Debian's python3).
 """
 import argparse
 import json
+import statistics
 import math
 import sys
 from html import escape
@@ -25,7 +26,7 @@ MIB = 1024.0 * 1024.0
 
 
 def load(path, model):
-    torch_rows, memfit_rows = [], []
+    torch_rows, memfit_rows, base = [], [], {}
     with open(path) as f:
         for line in f:
             line = line.strip()
@@ -34,7 +35,26 @@ def load(path, model):
             r = json.loads(line)
             if r.get("model") != model:
                 continue
+            if r.get("base"):
+                base.setdefault(r.get("side") == "memfit", []).append(r["median_step_s"])
+                continue
             (memfit_rows if r.get("side") == "memfit" else torch_rows).append(r)
+    # Cross-side times: the two sides ran minutes apart, and the machine's speed drifts. The base
+    # comparison (PyTorch eager and memfit plain alternating, at the end of the run) gives the
+    # ratio memfit plain / PyTorch eager measured close together; memfit's rows are rescaled so
+    # that its plain step stands at that ratio to this run's PyTorch eager. Within each side
+    # the times are as measured.
+    eager = next((r for r in torch_rows if r["variant"] == "eager"), None)
+    plain = next((r for r in memfit_rows if r["variant"] == "plain"), None)
+    if base.get(True) and base.get(False) and eager and plain and plain.get("median_step_s"):
+        ratio = statistics.median(base[True]) / statistics.median(base[False])
+        scale = ratio * eager["median_step_s"] / plain["median_step_s"]
+        for r in memfit_rows:
+            if r.get("median_step_s") is not None:
+                r["median_step_s_measured"] = r["median_step_s"]
+                r["median_step_s"] = r["median_step_s"] * scale
+        eager["base_ratio"] = ratio
+        eager["base_scale"] = scale
     return torch_rows, memfit_rows
 
 
@@ -93,6 +113,12 @@ def markdown(model, command, torch_rows, memfit_rows):
       "%s steps, as ratios to PyTorch eager's median (%.3f s) from the same run." %
       (", ".join("%s %s" % (k, v) for k, v in cfg.items() if k not in ("batch", "threads", "optimizer")),
        cfg.get("batch", "?"), cfg.get("threads", "?"), len(eager.get("step_times_s", [])) or "?", eager_s))
+    if "base_ratio" in eager:
+        w("memfit's times are scaled by %.3f: in the base comparison at the end of the run (PyTorch eager "
+          "and memfit's plain step alternating, 3 runs of 3 steps each) memfit's plain step took %.3fx "
+          "PyTorch eager's, and memfit's rows are placed at that ratio (the machine's speed drifts over "
+          "the minutes between the two halves of the run); raw seconds are in the JSON lines "
+          "(median_step_s)." % (eager["base_scale"], eager["base_ratio"]))
     loads = [r["loadavg_1m"] for r in torch_rows if "loadavg_1m" in r]
     if loads:
         w("PyTorch runs' 1-minute load averages ranged %.2f-%.2f; above ~0.5 the times are unreliable "

@@ -429,7 +429,8 @@ TrainSummary train(const TrainOptions& options, std::ostream& out) {
       << "% kept free):\n";
   out << "  micro-batch " << plan.micro_batch << " x " << (local.length + plan.micro_batch - 1) / plan.micro_batch
       << " accumulation steps, precision " << precision_name(plan.precision) << ", recompute "
-      << plan.checkpoint_mode << " (" << plan.checkpoint.describe() << ")\n";
+      << plan.checkpoint.describe() << (plan.checkpoint_mode == "auto" ? " (chosen by the plan)" : " (--checkpoint " + plan.checkpoint_mode + ")")
+      << "\n";
   out << "  predicted peak " << format_bytes(plan.predicted_peak) << "; the plain step would need "
       << format_bytes(plan.plain_predicted_peak);
   if (plan.plain_step_seconds > 0 && plan.predicted_step_seconds > 0) {
@@ -743,7 +744,7 @@ TrainSummary train(const TrainOptions& options, std::ostream& out) {
     rows.push_back({"micro-batch x accumulation", std::to_string(plan.micro_batch) + " x " +
                                                     std::to_string((local.length + plan.micro_batch - 1) / plan.micro_batch)});
     rows.push_back({"precision", precision_name(plan.precision)});
-    rows.push_back({"recomputed blocks", plan.checkpoint_mode + " (" + plan.checkpoint.describe() + ")"});
+    rows.push_back({"recomputed blocks", plan.checkpoint.describe() + (plan.checkpoint_mode == "auto" ? " (chosen by the plan)" : " (--checkpoint " + plan.checkpoint_mode + ")")});
     rows.push_back({"predicted peak", format_bytes(plan.predicted_peak)});
     rows.push_back({"measured peak (run)", format_bytes(summary.peak_bytes)});
     rows.push_back({"plain step, predicted", format_bytes(plan.plain_predicted_peak)});
