@@ -225,7 +225,7 @@ def svg(model, command, torch_rows, memfit_rows):
     ckpts = sorted((r for r in torch_rows if segments(r["variant"])), key=lambda r: r["peak_bytes"])
     series.append(("PyTorch eager", "#444444", "square", pts([eager], lambda r: "eager"), False))
     series.append(("PyTorch checkpoint_sequential (S segments)", "#1f77b4", "circle",
-                   pts(ckpts, lambda r: "S=%d" % segments(r["variant"])), True))
+                   pts(ckpts, lambda r: "S=%d" % segments(r["variant"])), False))  # not a curve: time is not monotone in S
     bf16 = [r for r in torch_rows if r["variant"] == "autocast_bf16"]
     if bf16:
         series.append(("PyTorch bf16 autocast", "#9467bd", "diamond", pts(bf16, lambda r: "bf16"), False))
