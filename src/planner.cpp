@@ -282,17 +282,20 @@ ChainCosts Planner::costs_at(int64_t m, const PrecisionProfile& p) const {
       f.backward_seconds *= scale;
     }
   }
-  const int64_t optimizer = request_.optimizer_state_bytes >= 0 ? request_.optimizer_state_bytes : 2 * weight_bytes_;
-  c.fixed_bytes = weight_bytes_ + optimizer + batch_bytes_;
+  c.fixed_bytes = weight_bytes_ + optimizer_state_bytes() + batch_bytes_;
   c.gradients_present = m < request_.batch || request_.keep_grads;
   c.segment_overhead_bytes = rng_state_bytes();
   return c;
 }
 
+int64_t Planner::optimizer_state_bytes() const {
+  return request_.optimizer_state_bytes >= 0 ? request_.optimizer_state_bytes : 2 * weight_bytes_;  // AdamW
+}
+
 int64_t Planner::optimizer_peak() const {
   // The optimizer step: weights, gradients, AdamW state, the batch, AdamW's two temporaries of
   // the largest parameter it updates, and what else lives then (state gathered for saving).
-  const int64_t optimizer = request_.optimizer_state_bytes >= 0 ? request_.optimizer_state_bytes : 2 * weight_bytes_;
+  const int64_t optimizer = optimizer_state_bytes();
   const int64_t gradients = request_.gradient_bytes >= 0 ? request_.gradient_bytes : weight_bytes_;
   const int64_t largest = request_.largest_update_bytes >= 0 ? request_.largest_update_bytes : largest_param_;
   return weight_bytes_ + gradients + optimizer + batch_bytes_ + 2 * largest + request_.extra_bytes;
@@ -334,8 +337,20 @@ Plan Planner::evaluate(int64_t m, Precision precision, const CheckpointPlan& che
   p.predicted_seconds = step_seconds(m, pp, checkpoint.segments);
   const auto usable = static_cast<int64_t>(static_cast<double>(budget) * (1.0 - request_.margin));
   p.feasible = p.predicted_peak <= usable;
-  p.floor_bytes = plan(budget).floor_bytes;
+  p.floor_bytes = floor_bytes();
   return p;
+}
+
+int64_t Planner::floor_bytes() const {
+  // The smallest peak over precisions at the smallest micro-batch allowed, margin included.
+  const int64_t m = request_.micro_batch > 0 ? request_.micro_batch : 1;
+  int64_t smallest = std::numeric_limits<int64_t>::max();
+  for (const auto& pp : profiles_) {
+    const ChainCosts c = costs_at(m, pp);
+    const int64_t s = request_.checkpoint ? evaluate_schedule(c, request_.checkpoint->segments).peak_bytes : smallest_peak(c);
+    smallest = std::min(smallest, std::max(s, optimizer_peak()));
+  }
+  return static_cast<int64_t>(std::ceil(static_cast<double>(smallest) / (1.0 - request_.margin)));
 }
 
 Plan Planner::plan(int64_t budget) const {
@@ -358,14 +373,7 @@ Plan Planner::plan(int64_t budget) const {
   } else {
     for (int64_t m = B; m >= 1; m = m == 1 ? 0 : (m + 1) / 2) sizes.push_back(m);
   }
-  // The floor: the smallest peak over precisions at the smallest micro-batch.
-  int64_t smallest = std::numeric_limits<int64_t>::max();
-  for (const auto& pp : profiles_) {
-    const ChainCosts c = costs_at(sizes.back(), pp);
-    const int64_t s = request_.checkpoint ? evaluate_schedule(c, request_.checkpoint->segments).peak_bytes : smallest_peak(c);
-    smallest = std::min(smallest, std::max(s, opt_peak));
-  }
-  p.floor_bytes = static_cast<int64_t>(std::ceil(static_cast<double>(smallest) / (1.0 - request_.margin)));
+  p.floor_bytes = floor_bytes();
 
   // The fastest fitting plan of each precision, then the fastest of those. Ties (within 1%)
   // go to the larger micro-batch, and to the earlier precision.

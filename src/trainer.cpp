@@ -341,10 +341,11 @@ TrainSummary train(const TrainOptions& options, std::ostream& out) {
   }
   if (start_step == 0) torch::manual_seed(o.model.seed);
 
-  Plan chosen = planner.plan(std::numeric_limits<int64_t>::max() / 2);  // for the floor and the plain step
-  plan.plain_predicted_peak = chosen.plain_predicted_peak;
-  plan.plain_step_seconds = chosen.plain_predicted_seconds;
-  const int64_t floor_bytes = chosen.floor_bytes;
+  const Plan plain_step = planner.evaluate(local.length, precisions.front(), CheckpointPlan::none());
+  plan.plain_predicted_peak = plain_step.predicted_peak;
+  plan.plain_step_seconds = plain_step.predicted_seconds;
+  const int64_t floor_bytes = planner.floor_bytes();
+  Plan chosen;
   int64_t budget = o.budget_bytes;
   if (budget == 0) {
     if (o.micro_batch > 0 || o.checkpoint != "auto") {

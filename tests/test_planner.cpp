@@ -58,15 +58,23 @@ TEST(PlannerTest, CnnBudgetsHoldAndPredictionsAreClose) {
   check_budgets(m, 16);
 }
 
-TEST(PlannerTest, BelowTheFloorIsInfeasibleAndSaysTheFloor) {
-  test::use_memfit_allocator();
-  auto tracker = std::make_shared<MemoryTracker>();
-  TrackerScope scope(tracker);
+// The small GPT with a batch of 8, made under memfit's allocator and an installed tracker (so
+// every byte is counted): where the planner tests below start.
+struct SmallGptSetup {
+  std::shared_ptr<MemoryTracker> tracker = [] {
+    test::use_memfit_allocator();
+    return std::make_shared<MemoryTracker>();
+  }();
+  TrackerScope scope{tracker};
   Workload w = make_workload(test::small_gpt());
-  const Batch data = w.data->train_batch(0, 8, 0);
+  Batch data = w.data->train_batch(0, 8, 0);
+};
+
+TEST(PlannerTest, BelowTheFloorIsInfeasibleAndSaysTheFloor) {
+  SmallGptSetup g;
   PlanRequest request;
   request.batch = 8;
-  Planner planner(w, data, request, *tracker);
+  Planner planner(g.w, g.data, request, *g.tracker);
   Plan p = planner.plan(1 << 20);
   EXPECT_FALSE(p.feasible);
   EXPECT_GT(p.floor_bytes, 1 << 20);
@@ -77,17 +85,13 @@ TEST(PlannerTest, BelowTheFloorIsInfeasibleAndSaysTheFloor) {
 TEST(PlannerTest, MixedPrecisionCandidateIsProfiledAndItsPlanHolds) {
   // With bf16 allowed the plan may pick either precision (by measured time); whichever it
   // picks, its predicted peak must hold under the budget when run.
-  test::use_memfit_allocator();
-  auto tracker = std::make_shared<MemoryTracker>();
-  TrackerScope scope(tracker);
-  Workload w = make_workload(test::small_gpt());
-  const Batch data = w.data->train_batch(0, 8, 0);
+  SmallGptSetup g;
   PlanRequest request;
   request.batch = 8;
   request.precisions = precision_candidates("auto", c10::kCPU);
   ASSERT_GE(request.precisions.size(), 2u);
   EXPECT_EQ(request.precisions.front(), Precision::kFP32);
-  Planner planner(w, data, request, *tracker);
+  Planner planner(g.w, g.data, request, *g.tracker);
   ASSERT_EQ(planner.profiles().size(), request.precisions.size());
   // bf16 keeps fewer activation bytes than fp32 at the same micro-batch.
   const int64_t fp32_plain = evaluate_schedule(planner.costs_at(8, Precision::kFP32), {}).peak_bytes;
@@ -95,21 +99,17 @@ TEST(PlannerTest, MixedPrecisionCandidateIsProfiledAndItsPlanHolds) {
   EXPECT_LT(bf16_plain, fp32_plain);
   Plan plan = planner.plan(planner.plan(1).floor_bytes * 3 / 2);
   ASSERT_TRUE(plan.feasible);
-  Verification v = verify_plan(w, planner, plan, *tracker, 8, /*measure_plain=*/false);
+  Verification v = verify_plan(g.w, planner, plan, *g.tracker, 8, /*measure_plain=*/false);
   EXPECT_LE(v.measured_peak, plan.budget_bytes) << precision_name(plan.precision);
 }
 
 TEST(PlannerTest, PinnedCheckpointIsKeptAndEvaluated) {
-  test::use_memfit_allocator();
-  auto tracker = std::make_shared<MemoryTracker>();
-  TrackerScope scope(tracker);
-  Workload w = make_workload(test::small_gpt());
-  const Batch data = w.data->train_batch(0, 8, 0);
+  SmallGptSetup g;
   PlanRequest request;
   request.batch = 8;
   request.micro_batch = 4;
-  request.checkpoint = CheckpointPlan::all(w.chain->size());
-  Planner planner(w, data, request, *tracker);
+  request.checkpoint = CheckpointPlan::all(g.w.chain->size());
+  Planner planner(g.w, g.data, request, *g.tracker);
   Plan plan = planner.plan(int64_t{1} << 40);
   ASSERT_TRUE(plan.feasible);
   EXPECT_EQ(plan.micro_batch, 4);

@@ -97,6 +97,8 @@ class Planner {
   // The prediction for one configuration, fitting or not (feasible says whether it fits).
   Plan evaluate(int64_t micro_batch, Precision precision, const CheckpointPlan& checkpoint,
                 int64_t budget_bytes = 0) const;
+  // The smallest budget any plan reaches (margin included): Plan::floor_bytes without planning.
+  int64_t floor_bytes() const;
   // The modelled costs at micro-batch m (fitted), with the step's fixed bytes; precision: the
   // baseline unless given.
   ChainCosts costs_at(int64_t m) const;
@@ -110,6 +112,7 @@ class Planner {
  private:
   const PrecisionProfile& profile(Precision precision) const;
   ChainCosts costs_at(int64_t m, const PrecisionProfile& p) const;
+  int64_t optimizer_state_bytes() const;
   int64_t optimizer_peak() const;
   // Seconds of one optimizer step's forward + backward when `schedule` runs at micro-batch m.
   double step_seconds(int64_t m, const PrecisionProfile& p, const std::vector<std::pair<int, int>>& segments) const;

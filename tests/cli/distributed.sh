@@ -131,19 +131,26 @@ PY
 cmp -s resumed.bin z2.bin && ok || bad "stage 2 resume differs from the uninterrupted run"
 cmp -s single_resumed.bin single.bin && ok || bad "single-process resume from the sharded save differs from single-process training"
 
-# 6. A rank killed mid-run: the other exits non-zero with a clear error, within the timeout.
-port=$(free_port)
-long=("${small[@]}" --budget 64MiB --steps 100000 --threads 1 --world-size 2 --master 127.0.0.1:$port --dist-timeout 10)
-"$memfit" train "${long[@]}" --rank 0 > kill0.out 2>&1 & r0=$!; bg+=($r0)
-"$memfit" train "${long[@]}" --rank 1 > kill1.out 2>&1 & r1=$!; bg+=($r1)
-wait_for kill1.out "Plan for a budget" 60 || bad "rank 1 did not start: $(cat kill1.out)"
-sleep 1
-kill -9 $r1; t0=$(now)
-wait $r0; rc=$?; t1=$(now)
-secs=$(py "$t0" "$t1" <<'PY'
+# start_pair NAME DIST_TIMEOUT: ranks 0 and 1 of a long run in the background (output in NAME0.out
+# and NAME1.out, pids in r0 and r1), returning once rank 1 has planned and trains.
+start_pair() {
+  local port; port=$(free_port)
+  local long=("${small[@]}" --budget 64MiB --steps 100000 --threads 1 --world-size 2 --master 127.0.0.1:$port --dist-timeout "$2")
+  "$memfit" train "${long[@]}" --rank 0 > "$1"0.out 2>&1 & r0=$!; bg+=($r0)
+  "$memfit" train "${long[@]}" --rank 1 > "$1"1.out 2>&1 & r1=$!; bg+=($r1)
+  wait_for "$1"1.out "Plan for a budget" 60 || bad "rank 1 did not start: $(cat "$1"1.out)"
+  sleep 1
+}
+elapsed() { py "$1" "$2" <<'PY'
 import sys; print(f"{float(sys.argv[2]) - float(sys.argv[1]):.2f}")
 PY
-)
+}
+
+# 6. A rank killed mid-run: the other exits non-zero with a clear error, within the timeout.
+start_pair kill 10
+kill -9 $r1; t0=$(now)
+wait $r0; rc=$?; t1=$(now)
+secs=$(elapsed "$t0" "$t1")
 echo "  rank 0 exited $secs s after rank 1 was killed (rc $rc): $(tail -1 kill0.out)"
 [ $rc -ne 0 ] && tail -1 kill0.out | grep -q "^memfit: rank 0: .* failed" && ok || bad "rank 0 after a killed peer: rc=$rc $(tail -2 kill0.out)"
 py "$secs" <<'PY' && ok || bad "rank 0 took $secs s to notice"
@@ -151,19 +158,11 @@ import sys; assert float(sys.argv[1]) < 20
 PY
 
 # A rank that stops answering (SIGSTOP) rather than dying: the other fails after --dist-timeout.
-port=$(free_port)
-long=("${small[@]}" --budget 64MiB --steps 100000 --threads 1 --world-size 2 --master 127.0.0.1:$port --dist-timeout 3)
-"$memfit" train "${long[@]}" --rank 0 > stop0.out 2>&1 & r0=$!; bg+=($r0)
-"$memfit" train "${long[@]}" --rank 1 > stop1.out 2>&1 & r1=$!; bg+=($r1)
-wait_for stop1.out "Plan for a budget" 60 || bad "rank 1 did not start: $(cat stop1.out)"
-sleep 1
+start_pair stop 3
 kill -STOP $r1; t0=$(now)
 wait $r0; rc=$?; t1=$(now)
 kill -9 $r1
-secs=$(py "$t0" "$t1" <<'PY'
-import sys; print(f"{float(sys.argv[2]) - float(sys.argv[1]):.2f}")
-PY
-)
+secs=$(elapsed "$t0" "$t1")
 echo "  rank 0 exited $secs s after rank 1 was stopped (rc $rc): $(tail -1 stop0.out)"
 [ $rc -ne 0 ] && tail -1 stop0.out | grep -q "^memfit: rank 0: .* failed" && py "$secs" <<'PY' && ok || bad "rank 0 after a stopped peer: rc=$rc after $secs s: $(tail -2 stop0.out)"
 import sys; assert 2 < float(sys.argv[1]) < 15
