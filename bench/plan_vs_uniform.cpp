@@ -15,6 +15,7 @@
 #include <vector>
 
 #include "memfit/memfit.h"
+#include "memfit/zoo/workloads.h"
 
 using namespace memfit;
 
@@ -77,11 +78,13 @@ int main(int argc, char** argv) {
   Workload w = make_workload(m);
   const Batch data = w.data->train_batch(0, batch, 0);
   PlanRequest req;
-  req.batch = batch;
-  Planner planner(w, data, req, *tracker);
+  req.step.batch = batch;
+  const Planner planner = measure_and_plan(w, data, {Precision::kFP32}, req, *tracker);
   const int n = w.chain->size();
 
-  StepOptions plain_options;
+  StepConfig plain_config;
+  plain_config.batch = batch;
+  const StepOptions plain_options{plain_config};
   const char* wait = std::getenv("OMP_WAIT_POLICY");
   std::printf("command: %s", wait ? "source bench/quiet_env.sh && " : "");
   std::printf("%s", argv[0]);
@@ -97,22 +100,21 @@ int main(int argc, char** argv) {
   for (int percent : {90, 70, 50, 35}) {
     const int64_t budget = plain_peak.peak * percent / 100;
     Plan p = planner.plan(budget);
-    StepOptions mine_options;
+    StepOptions mine_options{plain_config};
     std::string plan_text = "infeasible";
     if (p.feasible) {
-      mine_options.micro_batch = p.micro_batch;
-      mine_options.checkpoint = p.checkpoint;
-      plan_text = std::to_string(p.micro_batch) + "x" + std::to_string(p.accumulation) + ", recompute " +
-                  p.checkpoint.describe();
+      mine_options.config = p.config;
+      plan_text = std::to_string(p.config.micro_batch_size()) + "x" + std::to_string(p.config.accumulation()) +
+                  ", recompute " + p.config.checkpoint.describe();
     }
     // Uniform: the fewest segments whose prediction fits and whose one-step run fits.
-    StepOptions uni_options;
+    StepOptions uni_options{plain_config};
     int chosen = 0;
     for (int s = 1; s <= n && chosen == 0; ++s) {
       const Schedule sched = planner.uniform(batch, s);
       if (sched.peak_bytes > budget && s < n) continue;
-      StepOptions so;
-      so.checkpoint.segments = sched.segments;
+      StepOptions so{plain_config};
+      so.config.checkpoint.segments = sched.segments;
       Measured probe;
       round(w, data, so, *tracker, budget, 1, probe);
       if (probe.fits) {

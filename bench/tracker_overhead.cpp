@@ -12,6 +12,7 @@
 #include <vector>
 
 #include "memfit/memfit.h"
+#include "memfit/zoo/workloads.h"
 
 using namespace memfit;
 
@@ -40,7 +41,9 @@ int main(int argc, char** argv) {
   Workload w = make_workload(m);
   torch::optim::AdamW optimizer(w.chain->parameters(), torch::optim::AdamWOptions(1e-3));
   const Batch data = w.data->train_batch(0, batch, 0);
-  StepOptions so;
+  StepConfig config;
+  config.batch = batch;
+  const StepOptions so{config};
   auto tracker = std::make_shared<MemoryTracker>();
   std::vector<double> with, without;
   train_step(w, optimizer, data, so);  // warm-up

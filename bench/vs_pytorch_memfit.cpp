@@ -33,6 +33,7 @@
 #include <vector>
 
 #include "memfit/memfit.h"
+#include "memfit/zoo/workloads.h"
 
 using namespace memfit;
 
@@ -79,8 +80,8 @@ Measured measure(Workload& w, const Batch& data, const StepOptions& so, MemoryTr
 }
 
 std::string describe(const Plan& p) {
-  return std::to_string(p.micro_batch) + "x" + std::to_string(p.accumulation) + ", " + precision_name(p.precision) +
-         ", recompute " + p.checkpoint.describe();
+  return std::to_string(p.config.micro_batch_size()) + "x" + std::to_string(p.config.accumulation()) + ", " +
+         precision_name(p.config.precision) + ", recompute " + p.config.checkpoint.describe();
 }
 
 int64_t parse_int(const std::string& flag, const std::string& text) {
@@ -156,7 +157,7 @@ int main(int argc, char** argv) {
   std::string command = argv[0];
   for (int i = 1; i < argc; ++i) command += std::string(" ") + argv[i];
   const nlohmann::json common = {{"side", "memfit"},
-                                 {"model", w.model_name},
+                                 {"model", w.name},
                                  {"description", w.description},
                                  {"parameters", parameter_count(*w.chain)},
                                  {"weight_bytes", weight_bytes},
@@ -190,12 +191,14 @@ int main(int argc, char** argv) {
   };
 
   // The plain step first: it is memfit's own eager baseline.
-  emit("plain", 0, nullptr, measure(w, data, StepOptions{}, *tracker, BudgetAllocator::kUnlimited, args.steps), 1);
+  StepConfig plain;
+  plain.batch = args.batch;
+  emit("plain", 0, nullptr, measure(w, data, StepOptions{plain}, *tracker, BudgetAllocator::kUnlimited, args.steps), 1);
   if (args.plain_only) return 0;
 
   PlanRequest req;
-  req.batch = args.batch;
-  Planner planner(w, data, req, *tracker);
+  req.step = plain;
+  const Planner planner = measure_and_plan(w, data, {Precision::kFP32}, req, *tracker);
   // A plan that runs out of memory under its budget is planned again for 5% less, up to three
   // attempts, and run under the real budget: what verify_plan (memfit plan, memfit train) does.
   auto run_plan = [&](const std::string& variant, const Planner& pl, int64_t budget) {
@@ -203,11 +206,7 @@ int main(int argc, char** argv) {
     Measured m;
     std::vector<std::string> retries;
     for (int attempt = 1; p.feasible; ++attempt) {
-      StepOptions so;
-      so.micro_batch = p.micro_batch;
-      so.precision = p.precision;
-      so.checkpoint = p.checkpoint;
-      m = measure(w, data, so, *tracker, budget, args.steps);
+      m = measure(w, data, StepOptions{p.config}, *tracker, budget, args.steps);
       if (m.fits || !m.error.empty() || attempt == 3) break;
       const auto tighter = static_cast<int64_t>(static_cast<double>(budget) * (1.0 - 0.05 * attempt));
       retries.push_back(describe(p) + " ran out of memory under the budget: planned again for " +
@@ -222,9 +221,7 @@ int main(int argc, char** argv) {
   {
     // Mixed precision allowed: a Planner of its own, profiling bf16 too (a precision that fails
     // on the model, like 1.13's GroupNorm under CPU bf16 autocast, is dropped with a note).
-    PlanRequest mixed = req;
-    mixed.precisions = {Precision::kFP32, Precision::kBF16};
-    Planner mixed_planner(w, data, mixed, *tracker);
+    const Planner mixed_planner = measure_and_plan(w, data, {Precision::kFP32, Precision::kBF16}, req, *tracker);
     for (int64_t budget : args.budgets) run_plan("mixed_plan", mixed_planner, budget);
   }
   // Weights + gradients + AdamW's two moments, and 10% more: below anything a whole-batch

@@ -123,7 +123,9 @@ struct RankOutcome {
 TEST(DistributedTest, TwoRanksStage2EqualOneAdamWOverTheSummedGradients) {
   constexpr int kSteps = 3;
   const std::string master = "127.0.0.1:" + std::to_string(free_port());
-  const auto opts = torch::optim::AdamWOptions(0.05);
+  const auto opts = torch::optim::AdamWOptions(0.05);  // the reference's
+  OptimizerSpec spec;                                   // the same: AdamW, lr 0.05, weight decay 0.01
+  spec.lr = 0.05;
   std::vector<RankOutcome> outcome(2);
   std::vector<std::exception_ptr> errors(2);
   auto run_rank = [&](int rank) {
@@ -137,7 +139,8 @@ TEST(DistributedTest, TwoRanksStage2EqualOneAdamWOverTheSummedGradients) {
       DistributedContext context(o);
       auto params = make_params();
       ShardedDataParallel sdp(context, params, 2);
-      torch::optim::AdamW adamw(sdp.optimized_parameters(), opts);
+      auto sharded = make_optimizer(spec, sdp.optimized_parameters());
+      torch::optim::Optimizer& adamw = *sharded;
       auto& out = outcome[static_cast<size_t>(rank)];
       for (int step = 0; step < kSteps; ++step) {
         for (size_t i = 0; i < params.size(); ++i) params[i].mutable_grad() = gradient(rank, i, step, params[i]);
@@ -155,12 +158,12 @@ TEST(DistributedTest, TwoRanksStage2EqualOneAdamWOverTheSummedGradients) {
       out.state_bytes = adamw_state_bytes(adamw);
       out.owned_bytes = sdp.owned_bytes();
       out.total_bytes = sdp.parameter_bytes();
-      torch::optim::AdamW full(params, opts);
-      sdp.gather_optimizer_state(adamw, full);
+      const auto full = sdp.gather_optimizer_state(adamw, spec);
+      EXPECT_EQ(full != nullptr, rank == 0) << "only rank 0 holds the gathered state";
       if (rank == 0) {
         for (size_t i = 0; i < params.size(); ++i) {
-          auto it = full.state().find(c10::guts::to_string(params[i].unsafeGetTensorImpl()));
-          if (it == full.state().end()) continue;
+          auto it = full->state().find(param_state_key(params[i]));
+          if (it == full->state().end()) continue;
           const auto& s = static_cast<const torch::optim::AdamWParamState&>(*it->second);
           EXPECT_EQ(s.step(), kSteps);
           out.gathered_exp_avg_sq[i] = s.exp_avg_sq().clone();
@@ -168,11 +171,12 @@ TEST(DistributedTest, TwoRanksStage2EqualOneAdamWOverTheSummedGradients) {
       }
       for (auto& p : params) out.params.push_back(p.detach().clone());
       // Resuming: from a whole state, each rank keeps its own parameters' share.
-      torch::optim::AdamW whole(params, opts), mine(sdp.optimized_parameters(), opts);
+      auto whole = make_optimizer(spec, params);
+      auto mine = make_optimizer(spec, sdp.optimized_parameters());
       for (auto& p : params) p.mutable_grad() = at::ones_like(p);
-      whole.step();
-      sdp.keep_owned_state(whole, mine);
-      out.kept_states = mine.state().size();
+      whole->step();
+      sdp.keep_owned_state(*whole, *mine);
+      out.kept_states = mine->state().size();
       out.owned_count = sdp.optimized_parameters().size();
     } catch (...) {
       errors[static_cast<size_t>(rank)] = std::current_exception();

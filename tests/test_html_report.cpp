@@ -11,7 +11,7 @@
 #include <gtest/gtest.h>
 #include <nlohmann/json.hpp>
 
-#include "memfit/html_report.h"
+#include "memfit/report/html_report.h"
 
 // The build points this at tests/data; the default works when run from the repo root.
 #ifndef MEMFIT_TEST_DATA_DIR

@@ -15,15 +15,17 @@ void check_budgets(ModelOptions model, int64_t batch) {
   int64_t plain_peak = 0;
   {
     torch::optim::AdamW optimizer(w.chain->parameters(), torch::optim::AdamWOptions(1e-3));
+    StepConfig plain;
+    plain.batch = batch;
     for (int step = 0; step < 2; ++step) {
       tracker->reset_peak();
-      train_step(w, optimizer, data, StepOptions{});
+      train_step(w, optimizer, data, StepOptions{plain});
       plain_peak = tracker->peak();
     }
   }
   PlanRequest request;
-  request.batch = batch;
-  Planner planner(w, data, request, *tracker);
+  request.step.batch = batch;
+  const Planner planner = measure_and_plan(w, data, {Precision::kFP32}, request, *tracker);
   int verified = 0;
   for (int percent : {90, 70, 50, 35}) {
     const int64_t budget = plain_peak * percent / 100;
@@ -32,7 +34,7 @@ void check_budgets(ModelOptions model, int64_t batch) {
       EXPECT_GT(plan.floor_bytes, budget) << percent << "%";
       continue;
     }
-    Verification v = verify_plan(w, planner, plan, *tracker, batch, /*measure_plain=*/false);
+    Verification v = verify_plan(w, planner, plan, *tracker, /*measure_plain=*/false);
     EXPECT_LE(v.measured_peak, budget) << percent << "%";
     const double error = std::abs(static_cast<double>(plan.predicted_peak - v.measured_peak)) /
                          static_cast<double>(v.measured_peak);
@@ -68,13 +70,16 @@ struct SmallGptSetup {
   TrackerScope scope{tracker};
   Workload w = make_workload(test::small_gpt());
   Batch data = w.data->train_batch(0, 8, 0);
+  PlanRequest request = [] {
+    PlanRequest r;
+    r.step.batch = 8;
+    return r;
+  }();
 };
 
 TEST(PlannerTest, BelowTheFloorIsInfeasibleAndSaysTheFloor) {
   SmallGptSetup g;
-  PlanRequest request;
-  request.batch = 8;
-  Planner planner(g.w, g.data, request, *g.tracker);
+  const Planner planner = measure_and_plan(g.w, g.data, {Precision::kFP32}, g.request, *g.tracker);
   Plan p = planner.plan(1 << 20);
   EXPECT_FALSE(p.feasible);
   EXPECT_GT(p.floor_bytes, 1 << 20);
@@ -86,34 +91,31 @@ TEST(PlannerTest, MixedPrecisionCandidateIsProfiledAndItsPlanHolds) {
   // With bf16 allowed the plan may pick either precision (by measured time); whichever it
   // picks, its predicted peak must hold under the budget when run.
   SmallGptSetup g;
-  PlanRequest request;
-  request.batch = 8;
-  request.precisions = precision_candidates("auto", c10::kCPU);
-  ASSERT_GE(request.precisions.size(), 2u);
-  EXPECT_EQ(request.precisions.front(), Precision::kFP32);
-  Planner planner(g.w, g.data, request, *g.tracker);
-  ASSERT_EQ(planner.profiles().size(), request.precisions.size());
+  const auto precisions = precision_candidates("auto", c10::kCPU);
+  ASSERT_GE(precisions.size(), 2u);
+  EXPECT_EQ(precisions.front(), Precision::kFP32);
+  const Planner planner = measure_and_plan(g.w, g.data, precisions, g.request, *g.tracker);
+  ASSERT_EQ(planner.profile().precisions.size(), precisions.size());
   // bf16 keeps fewer activation bytes than fp32 at the same micro-batch.
   const int64_t fp32_plain = evaluate_schedule(planner.costs_at(8, Precision::kFP32), {}).peak_bytes;
   const int64_t bf16_plain = evaluate_schedule(planner.costs_at(8, Precision::kBF16), {}).peak_bytes;
   EXPECT_LT(bf16_plain, fp32_plain);
   Plan plan = planner.plan(planner.plan(1).floor_bytes * 3 / 2);
   ASSERT_TRUE(plan.feasible);
-  Verification v = verify_plan(g.w, planner, plan, *g.tracker, 8, /*measure_plain=*/false);
-  EXPECT_LE(v.measured_peak, plan.budget_bytes) << precision_name(plan.precision);
+  Verification v = verify_plan(g.w, planner, plan, *g.tracker, /*measure_plain=*/false);
+  EXPECT_LE(v.measured_peak, plan.budget_bytes) << precision_name(plan.config.precision);
 }
 
 TEST(PlannerTest, PinnedCheckpointIsKeptAndEvaluated) {
   SmallGptSetup g;
-  PlanRequest request;
-  request.batch = 8;
-  request.micro_batch = 4;
+  PlanRequest request = g.request;
+  request.step.micro_batch = 4;
   request.checkpoint = CheckpointPlan::all(g.w.chain->size());
-  Planner planner(g.w, g.data, request, *g.tracker);
+  const Planner planner = measure_and_plan(g.w, g.data, {Precision::kFP32}, request, *g.tracker);
   Plan plan = planner.plan(int64_t{1} << 40);
   ASSERT_TRUE(plan.feasible);
-  EXPECT_EQ(plan.micro_batch, 4);
-  EXPECT_EQ(plan.checkpoint.segments, request.checkpoint->segments);
+  EXPECT_EQ(plan.config.micro_batch, 4);
+  EXPECT_EQ(plan.config.checkpoint.segments, request.checkpoint->segments);
   // evaluate() of the same configuration agrees, and a tiny budget makes it not fit.
   const Plan same = planner.evaluate(4, Precision::kFP32, *request.checkpoint, int64_t{1} << 40);
   EXPECT_EQ(same.predicted_peak, plan.predicted_peak);

@@ -4,14 +4,7 @@
 namespace memfit {
 namespace {
 
-Report gpt_report(int64_t batch) {
-  test::use_memfit_allocator();
-  ReportOptions o;
-  o.model = test::small_gpt();
-  o.batch = batch;
-  o.steps = 3;
-  return run_report(o);
-}
+Report gpt_report(int64_t batch) { return test::report_of(test::small_gpt(), test::report_options(batch)); }
 
 TEST(ReportTest, StatesEqualParameterBytes) {
   Report r = gpt_report(8);
@@ -66,15 +59,13 @@ TEST(ReportTest, JsonHasTheDocumentedFields) {
 TEST(ReportTest, ImageModelsRunOnFashionMnist) {
   test::use_memfit_allocator();
   for (const char* model : {"cnn", "mlp"}) {
-    ReportOptions o;
-    o.model.model = model;
-    o.model.cnn.blocks = 2;
-    o.model.cnn.channels = 8;
-    o.model.mlp.layers = 2;
-    o.model.mlp.width = 64;
-    o.batch = 8;
-    o.steps = 2;
-    Report r = run_report(o);
+    ModelOptions m;
+    m.model = model;
+    m.cnn.blocks = 2;
+    m.cnn.channels = 8;
+    m.mlp.layers = 2;
+    m.mlp.width = 64;
+    Report r = test::report_of(m, test::report_options(8, 2));
     EXPECT_EQ(r.states.weights, r.parameter_bytes) << model;
     EXPECT_EQ(r.analysis.at_peak.total(), r.analysis.peak_bytes) << model;
     EXPECT_TRUE(std::isfinite(r.loss)) << model;
@@ -95,8 +86,9 @@ TEST(ReportTest, BadModelOptionsAreClearErrors) {
   try {
     make_workload(o);
     FAIL();
-  } catch (const std::invalid_argument& e) {
-    EXPECT_NE(std::string(e.what()).find("--heads 5"), std::string::npos);
+  } catch (const OptionError& e) {
+    EXPECT_EQ(e.option(), "gpt.heads");
+    EXPECT_NE(std::string(e.what()).find("heads 5"), std::string::npos);
   }
   o = test::small_gpt();
   o.model = "rnn";

@@ -5,7 +5,7 @@
 #include <functional>
 #include <random>
 
-#include "memfit/schedule.h"
+#include "memfit/plan/schedule.h"
 
 namespace memfit {
 namespace {

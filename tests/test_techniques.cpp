@@ -5,18 +5,9 @@
 namespace memfit {
 namespace {
 
-Report report_of(ReportOptions o) {
-  test::use_memfit_allocator();
-  return run_report(o);
-}
+Report report_of(const ReportOptions& o) { return test::report_of(test::small_gpt(), o); }
 
-ReportOptions gpt_report(int64_t batch = 8) {
-  ReportOptions o;
-  o.model = test::small_gpt();
-  o.batch = batch;
-  o.steps = 3;
-  return o;
-}
+ReportOptions gpt_report(int64_t batch = 8) { return test::report_options(batch); }
 
 TEST(TechniquesTest, CheckpointingEveryBlockCutsActivationsAtPeak) {
   auto plain = report_of(gpt_report());

@@ -5,6 +5,7 @@
 #include <torch/torch.h>
 
 #include "memfit/memfit.h"
+#include "memfit/zoo/workloads.h"
 
 namespace memfit::test {
 
@@ -24,6 +25,21 @@ inline ModelOptions small_gpt(uint64_t seed = 0) {
 // Installs memfit's allocator once per process, so every test counts through the same path
 // as the CLI.
 inline void use_memfit_allocator() { BudgetAllocator::install(); }
+
+// `memfit report` on a freshly built workload, as the CLI runs it.
+inline Report report_of(const ModelOptions& model, const ReportOptions& options) {
+  use_memfit_allocator();
+  Workload w = make_workload(model);
+  return run_report(w, options);
+}
+
+// Report options for `batch` samples per step over `steps` steps (AdamW, fp32, nothing recomputed).
+inline ReportOptions report_options(int64_t batch, int64_t steps = 3) {
+  ReportOptions o;
+  o.step.batch = batch;
+  o.steps = steps;
+  return o;
+}
 
 // Copies of all .grad tensors (undefined where a parameter has none).
 inline std::vector<at::Tensor> grads_of(const torch::nn::Module& m) {

@@ -1,27 +1,49 @@
-// memfit.h — everything memfit offers, in one include.
+// memfit.h — the library in one include, layer by layer (ARCHITECTURE.md). The built-in
+// models and data are apart: include "memfit/zoo/workloads.h" for them.
 #pragma once
 
-#include "memfit/accumulation.h"
-#include "memfit/autocast.h"
-#include "memfit/breakdown.h"
-#include "memfit/budget_allocator.h"
-#include "memfit/cache.h"
-#include "memfit/chain.h"
-#include "memfit/checkpoint.h"
 #include "memfit/compat.h"
-#include "memfit/data.h"
-#include "memfit/distributed.h"
-#include "memfit/evaluation.h"
-#include "memfit/grad_scaler.h"
-#include "memfit/grads.h"
-#include "memfit/html_report.h"
-#include "memfit/memory_tracker.h"
-#include "memfit/metrics.h"
-#include "memfit/models.h"
-#include "memfit/planner.h"
-#include "memfit/report.h"
-#include "memfit/schedule.h"
-#include "memfit/size.h"
-#include "memfit/step.h"
-#include "memfit/trainer.h"
-#include "memfit/workload.h"
+#include "memfit/errors.h"
+
+// measure/: exact bytes from the allocator, the hard budget, where the bytes go.
+#include "memfit/measure/breakdown.h"
+#include "memfit/measure/budget_allocator.h"
+#include "memfit/measure/memory_tracker.h"
+#include "memfit/measure/size.h"
+
+// techniques/: each a small API, usable on its own.
+#include "memfit/techniques/accumulation.h"
+#include "memfit/techniques/autocast.h"
+#include "memfit/techniques/cache.h"
+#include "memfit/techniques/checkpoint.h"
+#include "memfit/techniques/evaluation.h"
+#include "memfit/techniques/grad_scaler.h"
+#include "memfit/techniques/grads.h"
+#include "memfit/techniques/metrics.h"
+#include "memfit/techniques/rng.h"
+
+// runtime/: a workload (chain, data, loss), the optimizer and the step configuration as
+// values, and the step runner composing the techniques.
+#include "memfit/runtime/chain.h"
+#include "memfit/runtime/dataset.h"
+#include "memfit/runtime/optimizer.h"
+#include "memfit/runtime/step.h"
+#include "memfit/runtime/step_config.h"
+#include "memfit/runtime/workload.h"
+
+// plan/: profiles, the checkpoint-schedule DP, the planner, verification, per-rank state.
+#include "memfit/plan/planner.h"
+#include "memfit/plan/profile.h"
+#include "memfit/plan/rank_states.h"
+#include "memfit/plan/schedule.h"
+#include "memfit/plan/verify.h"
+
+// report/: `memfit report` and the HTML report.
+#include "memfit/report/html_report.h"
+#include "memfit/report/report.h"
+
+// train/: the Trainer, data parallelism over c10d, saved state, out-of-memory recovery.
+#include "memfit/train/distributed.h"
+#include "memfit/train/oom_recovery.h"
+#include "memfit/train/saved_state.h"
+#include "memfit/train/trainer.h"

@@ -7,7 +7,7 @@
 
 #include <nlohmann/json.hpp>
 
-#include "memfit/html_report.h"
+#include "memfit/report/html_report.h"
 
 int main(int argc, char** argv) {
   if (argc != 3) {

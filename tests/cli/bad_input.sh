@@ -14,7 +14,7 @@ check() {  # check "<args>" "<text expected in the error line>"
     fail=$((fail+1)); echo "FAILED: memfit $1 -> rc=$rc lines=$lines stderr: $err"
   fi
 }
-check "report --model rnn" "unknown model 'rnn'"
+check "report --model rnn" "--model 'rnn'"
 check "report --batch 0" "--batch 0"
 check "report --d-model 64 --heads 5" "--heads 5"
 check "report --layers -1" "--layers -1"

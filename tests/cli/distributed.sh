@@ -46,8 +46,17 @@ done
   || bad "single-process run (micro-batch 8) failed: $(tail -3 single8.out)"
 "$memfit" launch --nproc 3 -- train "${small[@]}" "${pinned[@]}" --steps 4 --micro-batch 2 --zero 2 --dump-weights z2n3.bin \
   > z2n3.out 2>&1 || bad "3-rank stage 2 run failed: $(tail -5 z2n3.out)"
+# Another optimizer family: SGD with momentum, one process against ZeRO 2 over 2 ranks; and
+# its sharded state gathered for saving, then resumed by one process.
+sgd=(--optimizer sgd --momentum 0.9 --lr 0.05)
+"$memfit" train "${small[@]}" "${pinned[@]}" "${sgd[@]}" --steps 4 --micro-batch 4 --threads 1 --dump-weights sgd_single.bin \
+  > sgd_single.out 2>&1 || bad "single-process SGD run failed: $(tail -3 sgd_single.out)"
+"$memfit" launch --nproc 2 -- train "${small[@]}" "${pinned[@]}" "${sgd[@]}" --steps 2 --micro-batch 4 --zero 2 --save sgd_state \
+  > sgd_save.out 2>&1 || bad "SGD stage 2 save failed: $(tail -5 sgd_save.out)"
+"$memfit" launch --nproc 2 -- train "${small[@]}" "${pinned[@]}" "${sgd[@]}" --steps 4 --micro-batch 4 --zero 2 --resume sgd_state \
+  --dump-weights sgd_z2.bin > sgd_z2.out 2>&1 || bad "SGD stage 2 resume failed: $(tail -5 sgd_z2.out)"
 
-py single.bin z0.bin z1.bin z2.bin single8.bin z2n3.bin <<'PY' && ok || bad "weights differ from single-process training"
+py <<'PY' && ok || bad "weights differ from single-process training"
 import array, math, sys
 def load(path):
     a = array.array("f"); a.frombytes(open(path, "rb").read()); return a
@@ -63,6 +72,7 @@ def compare(ref_path, path):
 for z in ("z0.bin", "z1.bin", "z2.bin"):
     compare("single.bin", z)
 compare("single8.bin", "z2n3.bin")
+compare("sgd_single.bin", "sgd_z2.bin")
 PY
 
 # Rank 0's HTML report shows both ranks' state.
@@ -201,7 +211,7 @@ one_line_error() {  # args: expected-text, command...
   if [ $rc -ne 0 ] && [ "$n" -eq 1 ] && [[ "$err" == *"$expect"* ]]; then ok; else bad "$* -> rc=$rc lines=$n: $err"; fi
 }
 quick=("${small[@]}" --budget 64MiB --threads 1)
-one_line_error "invalid --rank 2: expected 0 to --world-size - 1 (1)" "$memfit" train "${quick[@]}" --world-size 2 --rank 2
+one_line_error "invalid --rank 2: expected 0 to 1" "$memfit" train "${quick[@]}" --world-size 2 --rank 2
 one_line_error "invalid --zero 3" "$memfit" train "${quick[@]}" --world-size 2 --zero 3
 one_line_error "invalid --master 'nowhere'" "$memfit" train "${quick[@]}" --world-size 2 --master nowhere
 port=$(free_port)
@@ -219,9 +229,9 @@ kill $holder 2>/dev/null
 # Ranks started with different flags: caught before training, on every rank.
 port=$(free_port)
 "$memfit" train "${quick[@]}" --world-size 2 --rank 1 --master 127.0.0.1:$port --steps 3 --dist-timeout 20 > mismatch1.out 2>&1 & m1=$!; bg+=($m1)
-one_line_error "ranks disagree on --steps: rank 0 has 2, rank 1 has 3" "$memfit" train "${quick[@]}" --world-size 2 --rank 0 --master 127.0.0.1:$port --steps 2 --dist-timeout 20
-wait $m1; [ $? -ne 0 ] && grep -q "ranks disagree on --steps" mismatch1.out && ok || bad "rank 1 with different --steps: $(tail -2 mismatch1.out)"
-one_line_error "invalid --micro-batch 8: expected 1 to this rank's share of --batch (4 of 8 over 2 ranks)" "$memfit" train "${quick[@]}" --world-size 2 --micro-batch 8
+one_line_error "ranks disagree on steps: rank 0 has 2, rank 1 has 3" "$memfit" train "${quick[@]}" --world-size 2 --rank 0 --master 127.0.0.1:$port --steps 2 --dist-timeout 20
+wait $m1; [ $? -ne 0 ] && grep -q "ranks disagree on steps" mismatch1.out && ok || bad "rank 1 with different --steps: $(tail -2 mismatch1.out)"
+one_line_error "invalid --micro-batch 8: expected 1 to this rank's share of batch (4 of 8 over 2 ranks)" "$memfit" train "${quick[@]}" --world-size 2 --micro-batch 8
 one_line_error "invalid --nproc 0" "$memfit" launch --nproc 0 -- train
 one_line_error "memfit launch sets --rank itself" "$memfit" launch --nproc 2 -- train --rank 1
 one_line_error "memfit launch runs 'train'" "$memfit" launch --nproc 2 -- report

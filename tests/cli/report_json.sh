@@ -39,3 +39,19 @@ table = html[html.index('id="ranks-table"'):]
 assert table[:table.index("</table>")].count("<tr><td>") == 2
 print("cli report ranks: 1 passed, 0 failed")
 PY
+
+# Other optimizer families, their state measured: SGD with momentum keeps one buffer per
+# parameter (the weights' bytes), plain SGD none, Adam two; the JSON names the optimizer.
+for case in "sgd 0.9 1" "sgd 0 0" "adam 0 2"; do
+  set -- $case
+  "$memfit" report --layers 2 --d-model 64 --heads 4 --seq 32 --batch 4 --steps 2 --optimizer "$1" --momentum "$2" --json \
+    > "$dir/opt.json"
+  /usr/bin/python3 - "$dir/opt.json" "$1" "$3" <<'PY'
+import json, sys
+j = json.load(open(sys.argv[1])); family, factor = sys.argv[2], int(sys.argv[3])
+assert j["config"]["optimizer"]["family"] == family, j["config"]
+assert j["states"]["optimizer_state"] == factor * j["parameter_bytes"], (family, j["states"], j["parameter_bytes"])
+assert j["at_peak"]["optimizer_state"] <= factor * j["parameter_bytes"]
+PY
+done
+echo "cli report optimizers: 1 passed, 0 failed"

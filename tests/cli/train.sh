@@ -19,7 +19,7 @@ import json, sys
 lines = [json.loads(l) for l in open(sys.argv[1])]
 plan = lines[0]; summ = lines[-1]; steps = [l for l in lines if l["type"] == "step"]
 assert plan["type"] == "plan" and summ["type"] == "summary"
-assert plan["plain_predicted_peak_bytes"] > plan["budget_bytes"], plan
+assert plan["plain"]["predicted_peak_bytes"] > plan["budget_bytes"], plan
 assert summ["peak_bytes"] <= summ["budget_bytes"], summ
 assert steps[-1]["loss"] < steps[0]["loss"], (steps[0]["loss"], steps[-1]["loss"])
 assert summ["samples"] == 12 * 8 and len(summ["weights_sha256"]) == 64

@@ -1,0 +1,82 @@
+// breakdown.h — where the memory of a step goes: weights, gradients, optimizer state,
+// activations, other. Exact: every live allocation is put in exactly one category, so the
+// parts add up to the total.
+//
+// Categories are decided by storage identity, from the tracker's recorded events:
+// - weights, gradients, optimizer state: the storages of the parameters, of their .grad and of
+//   the optimizer's state tensors, as they are at the end of the step (an allocation counts
+//   only if it is the very one still alive at the end);
+// - activations: other allocations made in the forward or recompute phase (what forward keeps
+//   for backward, and forward's temporaries while they live);
+// - other: the rest (input batch, gradients of activations in backward, loss, autocast's
+//   weight-cast cache — also reported on its own: the copies made by Autocast::warm_cast_cache
+//   or freed when the cache is cleared — and workspaces).
+#pragma once
+
+#include <ATen/ATen.h>
+
+#include <cstdint>
+#include <string>
+#include <unordered_set>
+#include <vector>
+
+#include "memfit/measure/memory_tracker.h"
+
+namespace memfit {
+
+struct Categories {
+  int64_t weights = 0;
+  int64_t gradients = 0;
+  int64_t optimizer_state = 0;
+  int64_t activations = 0;
+  int64_t other = 0;
+  int64_t autocast_cache = 0;  // part of `other`: autocast's low-precision copies of weights
+  int64_t total() const { return weights + gradients + optimizer_state + activations + other; }
+};
+
+// Storages whose role is known, by data pointer.
+struct KnownStorage {
+  std::unordered_set<const void*> weights, gradients, optimizer_state;
+};
+// The parameters, their current .grad, and the optimizer's state tensors (any family's:
+// runtime/optimizer.h's optimizer_state_tensors).
+KnownStorage known_storage(const std::vector<at::Tensor>& parameters, const std::vector<at::Tensor>& optimizer_state);
+
+// Counts the storage of tensors made before `tracker` was installed (a caller's model) as live.
+void adopt_tensors(MemoryTracker& tracker, const std::vector<at::Tensor>& tensors);
+
+// Classifies what is alive now (no recording needed): activations cannot be told apart here,
+// so everything unknown is `other`.
+Categories classify_live(const MemoryTracker& tracker, const KnownStorage& known,
+                         MemoryDevice device = MemoryDevice::kCPU);
+
+struct TimelinePoint {
+  int64_t t_ns;
+  Phase phase;
+  Categories live;
+};
+
+struct PhaseSpan {
+  Phase phase;
+  int64_t start_ns, end_ns;
+  int64_t peak_bytes;
+};
+
+struct StepAnalysis {
+  int64_t peak_bytes = 0;
+  int64_t peak_t_ns = 0;
+  Phase peak_phase = Phase::kOther;
+  Categories at_peak;
+  Categories at_start;
+  Categories at_end;
+  std::vector<TimelinePoint> timeline;    // after each event
+  std::vector<PhaseSpan> phases;          // in order (recompute spans interleave with backward)
+  std::vector<int64_t> block_activation_bytes;  // per chain block, at the end of the first forward
+};
+
+// Replays the events the tracker recorded for one step. `known` must describe the end of the
+// step (call known_storage() before releasing gradients).
+StepAnalysis analyze_step(const MemoryTracker& tracker, const KnownStorage& known, int num_blocks,
+                          MemoryDevice device = MemoryDevice::kCPU);
+
+}  // namespace memfit

@@ -1,0 +1,107 @@
+// planner.h — the fastest step configuration that fits a budget, predicted before it runs,
+// then verified.
+//
+// 1. Costs: a WorkloadProfile (profile.h), measured or written by hand, and this process's
+//    optimizer cost (measured: profile.h's measure_optimizer), gradients and extra bytes.
+// 2. Solve: for each profiled precision and micro-batch size, the least-recompute checkpoint
+//    schedule under the budget minus a margin (schedule.h's DP).
+// 3. Search: precision, micro-batch x accumulation and schedule minimizing the predicted step
+//    time; ties go to the first precision (the baseline, fp32) and the larger micro-batch.
+// 4. Verify (verify.h): real steps under the tracker; if the measured peak exceeds the budget,
+//    tighten and plan again (and say so).
+//
+// The Planner runs no model: everything it says follows from the numbers it was given.
+#pragma once
+
+#include <c10/core/DeviceType.h>
+
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "memfit/plan/profile.h"
+#include "memfit/plan/schedule.h"
+#include "memfit/runtime/step_config.h"
+
+namespace memfit {
+
+struct PlanRequest {
+  int64_t budget_bytes = 0;
+  // The fixed parts of the step: device, batch (this rank's samples per step), set_to_none,
+  // optimizer; micro_batch > 0 pins it (0: searched). Precision and checkpoint are chosen.
+  StepConfig step;
+  std::optional<CheckpointPlan> checkpoint;  // pinned schedule; unset: solved
+  double margin = 0.03;                      // of the budget, kept free for what the model cannot see
+  OptimizerCost optimizer;                   // this process's (ZeRO: its shard's)
+  int64_t gradient_bytes = -1;               // held through the optimizer step; -1: all weights'
+  int64_t extra_bytes = 0;                   // alive beside the optimizer step (state gathered to save)
+  int64_t resident_bytes = 0;                // alive all along, counted by the budget but not profiled
+                                             // (the caller's data tensors, other models)
+};
+
+// "auto": fp32, then the mixed precisions autocast runs on `device` (bf16 on CPU; bf16 and
+// fp16 on CUDA). Otherwise the one named, if supported. Throws OptionError("precision", ...).
+std::vector<Precision> precision_candidates(const std::string& text, c10::DeviceType device);
+
+struct Plan {
+  bool feasible = false;
+  int64_t budget_bytes = 0;
+  int64_t floor_bytes = 0;          // the smallest budget any plan reaches (margin included)
+  StepConfig config;                // what runs (valid when feasible)
+  bool checkpoint_pinned = false;   // the schedule was given, not solved
+  int64_t predicted_peak = 0;
+  double predicted_seconds = 0;     // forward + backward of one optimizer step
+  Precision baseline_precision = Precision::kFP32;  // the plain step's (the first profiled)
+  int64_t plain_predicted_peak = 0; // whole batch, nothing recomputed, baseline precision
+  double plain_predicted_seconds = 0;
+  std::vector<std::string> notes;   // why this plan, said plainly
+};
+
+// The one JSON form of a plan: {"budget_bytes", "feasible", "floor_bytes", "config" (step_config_json),
+// "checkpoint_pinned", "predicted": {"peak_bytes", "step_time_ratio"}, "plain": {...}, "notes"}.
+nlohmann::json plan_json(const Plan& plan);
+// Reads it back (saved state, the broadcast to ranks); the config is checked against `blocks`.
+Plan plan_from_json(const nlohmann::json& json, int blocks);
+
+class Planner {
+ public:
+  Planner(WorkloadProfile profile, PlanRequest request);
+  // The plan for a budget (request.budget_bytes unless given).
+  Plan plan(int64_t budget_bytes = 0) const;
+  // The prediction for one configuration, fitting or not (feasible says whether it fits).
+  Plan evaluate(int64_t micro_batch, Precision precision, const CheckpointPlan& checkpoint,
+                int64_t budget_bytes = 0) const;
+  // The smallest budget any plan reaches (margin included): Plan::floor_bytes without planning.
+  int64_t floor_bytes() const;
+  // The modelled costs at micro-batch m (fitted), with the step's fixed bytes; precision: the
+  // baseline unless given.
+  ChainCosts costs_at(int64_t m) const;
+  ChainCosts costs_at(int64_t m, Precision precision) const;
+  // checkpoint_sequential's schedule at micro-batch m: `segments` runs of equal length, all
+  // but the last recomputed (baseline precision).
+  Schedule uniform(int64_t m, int segments) const;
+  const WorkloadProfile& profile() const { return profile_; }
+  const PlanRequest& request() const { return request_; }
+
+ private:
+  const PrecisionProfile& precision_profile(Precision precision) const;
+  ChainCosts costs_at(int64_t m, const PrecisionProfile& p) const;
+  double chain_seconds(int64_t m, const PrecisionProfile& p) const;
+  int64_t optimizer_peak() const;
+  Plan prediction_base(int64_t budget) const;
+  Plan best_plan_of(const PrecisionProfile& p, int64_t usable) const;
+  void explain_choice(Plan& chosen, const std::vector<Plan>& best_of) const;
+  // Seconds of one optimizer step's forward + backward when `segments` run at micro-batch m.
+  double step_seconds(int64_t m, const PrecisionProfile& p, const std::vector<std::pair<int, int>>& segments) const;
+
+  WorkloadProfile profile_;
+  PlanRequest request_;
+};
+
+// Profiles the workload for `batch` at each precision and measures the optimizer of
+// request.step over `optimized` (this process's parameters; empty: all), then returns the
+// Planner over those measurements. `tracker` must be installed on this thread.
+Planner measure_and_plan(Workload& workload, const Batch& batch, const std::vector<Precision>& precisions,
+                         PlanRequest request, MemoryTracker& tracker, std::vector<at::Tensor> optimized = {});
+
+}  // namespace memfit

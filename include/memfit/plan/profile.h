@@ -1,0 +1,83 @@
+// profile.h — what a workload costs, measured: the input of the planner (planner.h), kept
+// apart from it so that the search can run on costs written by hand (tests) or loaded.
+//
+// For each candidate precision, each block of the chain runs alone (its input detached) at
+// two micro-batch sizes, a quarter and a half of the batch: forward and backward seconds,
+// output bytes, bytes kept for backward, transient peaks with and without grad, whether the
+// next block keeps its input. Then the whole plain chain runs at both sizes: its bytes
+// calibrate the blocks' bytes, its seconds are the time model (the blocks' seconds only say
+// how that time divides among them). Values at other sizes are fitted linearly.
+//
+// The optimizer is measured the same way: one real step of the spec over the parameters this
+// process steps, counted by the tracker (state bytes, and the step's temporaries).
+#pragma once
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "memfit/measure/memory_tracker.h"
+#include "memfit/plan/schedule.h"
+#include "memfit/runtime/optimizer.h"
+#include "memfit/runtime/workload.h"
+#include "memfit/techniques/autocast.h"
+
+namespace memfit {
+
+// Per-block costs measured at one micro-batch size.
+struct ChainProfile {
+  int64_t micro_batch = 0;
+  std::vector<BlockCost> blocks;
+};
+
+// What one precision costs: the blocks at two sizes, and the whole plain chain measured.
+struct PrecisionProfile {
+  Precision precision = Precision::kFP32;
+  ChainProfile small, large;
+  double calibration = 1.0;            // measured / modelled bytes of the plain chain
+  double chain_seconds_small = 0;      // forward + backward of the plain chain, best of two
+  double chain_seconds_large = 0;
+  double chain_seconds_full = 0;       // the whole batch (estimated from a run recomputing every
+                                       // block, which needs little memory); 0: not measured
+};
+
+struct WorkloadProfile {
+  int64_t batch = 0;                   // samples per step the profile is for
+  int64_t weight_bytes = 0;            // all parameters
+  int64_t batch_bytes = 0;             // one batch's input and target
+  int64_t segment_overhead_bytes = 0;  // what each checkpointed segment keeps besides its input (RNG state)
+  std::vector<PrecisionProfile> precisions;  // the first is the baseline
+  std::vector<std::string> notes;      // precisions dropped, and why
+};
+
+// The workload's costs for `batch` at each precision; a mixed precision the model cannot run
+// is dropped with a note (the first, the baseline, must run). `tracker` must be installed on
+// this thread. The caller's random stream is left as it was.
+WorkloadProfile profile_workload(Workload& workload, const Batch& batch, const std::vector<Precision>& precisions,
+                                 MemoryTracker& tracker);
+
+ChainProfile profile_chain(Workload& workload, const Batch& batch, int64_t micro_batch, Precision precision,
+                           MemoryTracker& tracker);
+
+// The blocks' costs at micro-batch m: bytes fitted linearly between the two profiled sizes and
+// calibrated, seconds fitted (not below the smaller size's); no fixed bytes, seconds not yet
+// scaled to the whole chain's (the planner does both).
+ChainCosts block_costs_at(const PrecisionProfile& profile, int64_t m);
+
+// The value at m of the line through (m1, v1) and (m2, v2), never below zero; bytes rounded.
+double fit_line(int64_t m1, double v1, int64_t m2, double v2, int64_t m);
+int64_t fit_bytes(int64_t m1, int64_t v1, int64_t m2, int64_t v2, int64_t m);
+int64_t calibrated(int64_t bytes, double calibration);
+
+// What the optimizer keeps and makes, on this process.
+struct OptimizerCost {
+  int64_t state_bytes = 0;  // alive between steps (AdamW: 2x the parameters' bytes)
+  int64_t step_bytes = 0;   // temporaries at the peak of a steady-state step, above the state
+};
+
+// Two real steps of `spec` over `parameters` (zero gradients), the first making the state and
+// the second in steady state; the parameters are put back exactly afterwards.
+OptimizerCost measure_optimizer(const OptimizerSpec& spec, const std::vector<at::Tensor>& parameters,
+                                MemoryTracker& tracker);
+
+}  // namespace memfit

@@ -1,0 +1,66 @@
+// report.h — `memfit report` as a library call: run a few real training steps of a workload
+// under the memory tracker and explain the last one (its peak, what the peak is made of,
+// per phase, per block, and the states after the optimizer).
+#pragma once
+
+#include <nlohmann/json.hpp>
+
+#include <array>
+
+#include <string>
+#include <vector>
+
+#include "memfit/measure/breakdown.h"
+#include "memfit/plan/rank_states.h"
+#include "memfit/runtime/step_config.h"
+#include "memfit/runtime/workload.h"
+
+namespace memfit {
+
+struct ReportOptions {
+  StepConfig step;            // batch, micro-batch, precision, checkpoint, set_to_none, optimizer, device
+  int64_t steps = 3;          // the last one is analysed (steady state: optimizer state exists)
+  bool eval_only = false;     // inference only: forward passes under InferenceMode
+  // Data-parallel training over world_size ranks at ZeRO zero_stage: the report adds each
+  // rank's state bytes, predicted from the same partition `memfit train` uses (the step
+  // itself runs in this one process).
+  int world_size = 1;
+  int zero_stage = 0;
+};
+
+struct Report {
+  std::string model;              // the workload's name
+  std::string description;
+  int64_t parameters = 0;
+  int64_t parameter_bytes = 0;
+  int64_t batch = 0;
+  ReportOptions options;
+  StepAnalysis analysis;          // the last step
+  Categories states;              // after backward + optimizer, before gradients are released
+  int64_t between_steps_bytes = 0;  // live bytes after the last step (gradients released or not)
+  std::array<int64_t, kNumPhases> phase_peak{};
+  std::vector<std::string> block_names;
+  std::vector<bool> block_recomputed;
+  double loss = 0;
+  std::vector<RankStateBytes> ranks;  // world_size entries (one when not distributed)
+};
+
+// Runs `options.steps` steps of the workload under a MemoryTracker of its own (installed on
+// this thread for the call) and explains the last. The workload's weights and buffers existed
+// before: they are known by their tensors, not by their allocation. Throws OptionError.
+Report run_report(Workload& workload, const ReportOptions& options);
+
+// The JSON of `memfit report --json` (bytes as integers).
+nlohmann::json report_json(const Report& report);
+// The document the HTML report draws (timeline by category, phases, blocks, ranks).
+nlohmann::json report_chart_document(const Report& report);
+
+// The part of that document that describes one analysed step; `memfit train` adds its plan,
+// steps and budget to it. block_names and recomputed: one entry per block of the chain.
+nlohmann::json step_chart_document(const std::string& title, const std::string& device, const StepAnalysis& analysis,
+                                   const std::vector<std::string>& block_names, const std::vector<bool>& recomputed);
+
+// [{"rank", "weights", "gradients", "optimizer_state"}, ...] for reports and summaries.
+nlohmann::json ranks_json(const std::vector<RankStateBytes>& ranks);
+
+}  // namespace memfit

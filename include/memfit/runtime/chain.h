@@ -1,0 +1,79 @@
+// chain.h — a model as an ordered list of blocks, each tensor -> tensor.
+//
+// Like nn::Sequential, but memfit reasons per block: the tracker tags every allocation with
+// the block that made it (per-block activation bytes), and a CheckpointPlan says which runs
+// of blocks keep only their input and recompute in backward. Adopt it for your own model by
+// adding one block per stage:
+//
+//   auto chain = std::make_shared<memfit::Chain>();
+//   chain->add("embed", embed);                   // any module with forward(Tensor) -> Tensor
+//   chain->add("attn0", attn, [attn](const torch::Tensor& x) { return attn->forward(x); });
+//   auto y = chain->forward(x, memfit::CheckpointPlan::parse("every:2", chain->size()));
+#pragma once
+
+#include <torch/nn/module.h>
+
+#include <memory>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "memfit/techniques/checkpoint.h"
+
+namespace memfit {
+
+// Blocks recomputed in backward, as segments [first, last] (inclusive, sorted, disjoint). A
+// segment keeps only the input of its first block during forward, and recomputes all its
+// blocks in backward.
+struct CheckpointPlan {
+  std::vector<std::pair<int, int>> segments;
+
+  static CheckpointPlan none() { return {}; }
+  // Every block its own segment.
+  static CheckpointPlan all(int blocks);
+  // Segments of k consecutive blocks (the last may be shorter), like checkpoint_sequential.
+  static CheckpointPlan every(int k, int blocks);
+  // The listed blocks, each its own segment.
+  static CheckpointPlan of_blocks(std::vector<int> indices, int blocks);
+  // "none" | "all" | "every:K" | "i,j,..." (block indices). Throws std::invalid_argument with
+  // one line naming the value and what is accepted.
+  static CheckpointPlan parse(const std::string& spec, int blocks);
+
+  bool empty() const { return segments.empty(); }
+  std::vector<int> recomputed_blocks() const;
+  bool recomputes(int block) const;
+  std::string describe() const;  // "none", "1,3,5", "0-3,4-7"
+};
+
+using BlockForward = BlockFn;
+
+struct Block {
+  std::string name;
+  std::shared_ptr<torch::nn::Module> module;  // owns the block's parameters
+  BlockForward forward;
+};
+
+class Chain : public torch::nn::Module {
+ public:
+  // Adds a block; the module is registered as a submodule "<index>_<name>".
+  void add(const std::string& name, std::shared_ptr<torch::nn::Module> module, BlockForward forward);
+  template <class ModuleType>
+  void add(const std::string& name, std::shared_ptr<ModuleType> module) {
+    add(name, module, [module](const at::Tensor& x) { return module->forward(x); });
+  }
+
+  int size() const { return static_cast<int>(blocks_.size()); }
+  const Block& block(int index) const { return blocks_.at(static_cast<size_t>(index)); }
+  std::vector<at::Tensor> block_parameters(int first, int last) const;
+
+  // Runs all blocks, checkpointing the plan's segments; each block's allocations are tagged
+  // with its index for the memory tracker.
+  at::Tensor forward(const at::Tensor& input, const CheckpointPlan& plan = {});
+  // Runs blocks [first, last] without checkpointing.
+  at::Tensor run_blocks(const at::Tensor& input, int first, int last);
+
+ private:
+  std::vector<Block> blocks_;
+};
+
+}  // namespace memfit

@@ -1,0 +1,161 @@
+// distributed.h — data-parallel training over torch.distributed's C++ core (c10d), with the
+// optimizer state (ZeRO stage 1) and the gradients (stage 2) sharded across ranks.
+//
+// Every rank holds all weights and runs forward + backward on its contiguous slice of the
+// global batch, each micro-batch's loss weighted by its share of the *global* batch; gradients
+// are SUM-reduced, so the update equals single-process training on the same global batch.
+//
+//   stage 0: gradients all-reduced, every rank runs the optimizer over every parameter;
+//   stage 1: gradients all-reduced, rank r runs the optimizer only over the parameters it owns
+//            (a contiguous range, balanced by bytes): optimizer state per rank ~ 1/N; owners
+//            broadcast the updated parameters;
+//   stage 2: as 1, but each gradient is reduced to its owner only and the others release
+//            theirs (set to none): gradient bytes per rank at the optimizer step ~ 1/N.
+//
+//   memfit::DistributedContext ctx(options);                  // rendezvous at options.master
+//   memfit::ShardedDataParallel sdp(ctx, chain->parameters(), 2);
+//   auto optimizer = memfit::make_optimizer(spec, sdp.optimized_parameters());  // any family
+//   for (...) { forward_backward(... weight = samples / global batch ...);
+//               sdp.reduce_gradients(); optimizer->step(); sdp.finish_step(set_to_none); }
+//
+// Backends: Gloo on CPU; NCCL when memfit is built against a CUDA LibTorch. Every failure of
+// the rendezvous or of a collective (a peer died, a timeout) throws DistributedError.
+#pragma once
+
+#include <ATen/ATen.h>
+#include <torch/optim/optimizer.h>
+
+#include <cstdint>
+#include <memory>
+#include <stdexcept>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "memfit/plan/rank_states.h"
+#include "memfit/runtime/optimizer.h"
+
+namespace memfit {
+
+struct DistributedOptions {
+  int world_size = 1;                   // 1: not distributed
+  int rank = 0;
+  std::string master = "127.0.0.1:29500";  // HOST:PORT of the rendezvous store rank 0 opens
+  int zero_stage = 0;                   // 0, 1 or 2 (see above)
+  double timeout_seconds = 30;          // rendezvous and every collective
+  std::string backend = "auto";         // auto (gloo on CPU) | gloo | nccl
+  bool enabled() const { return world_size > 1; }
+};
+
+// Throws OptionError naming the option (distributed.world_size, .rank, .master, .timeout,
+// .backend, zero_stage).
+void validate(const DistributedOptions& options);
+
+// HOST:PORT split; throws OptionError naming distributed.master.
+std::pair<std::string, int> parse_master(const std::string& master);
+
+// The rendezvous failed, or a collective did (a peer exited, a timeout): one line, saying which.
+class DistributedError : public std::runtime_error {
+ public:
+  using std::runtime_error::runtime_error;
+};
+
+// A c10d process group of world_size ranks joined through a TCPStore on rank 0.
+class DistributedContext {
+ public:
+  // Blocks until every rank has joined or options.timeout_seconds pass.
+  explicit DistributedContext(const DistributedOptions& options);
+  ~DistributedContext();
+  DistributedContext(const DistributedContext&) = delete;
+  DistributedContext& operator=(const DistributedContext&) = delete;
+
+  int rank() const { return options_.rank; }
+  int world_size() const { return options_.world_size; }
+  const DistributedOptions& options() const { return options_; }
+  std::string backend_name() const;
+
+  // Collectives on one tensor each; each call returns when it is done on this rank. `what`
+  // names the operation in errors.
+  void all_reduce_sum(const at::Tensor& tensor, const char* what);
+  void reduce_sum(const at::Tensor& tensor, int root, const char* what);
+  void broadcast(const at::Tensor& tensor, int root, const char* what);
+  void send(const at::Tensor& tensor, int to, const char* what);
+  void receive(const at::Tensor& tensor, int from, const char* what);
+
+  // `root`'s text, on every rank (the others' `text` is ignored).
+  std::string broadcast_string(const std::string& text, int root, const char* what);
+  // Every rank's values (same count on every rank), rank by rank.
+  std::vector<std::vector<int64_t>> all_gather(const std::vector<int64_t>& values, const char* what);
+  // Throws std::invalid_argument naming the first value on which ranks differ: the flags that
+  // must agree (model shape, batch, steps, stage) are checked before training starts, so a
+  // mismatch is one clear line rather than a hang in a collective.
+  void check_same_on_all_ranks(const std::vector<std::pair<std::string, int64_t>>& named_values);
+
+ private:
+  friend class ShardedDataParallel;
+  struct Impl;
+  DistributedOptions options_;
+  std::unique_ptr<Impl> impl_;
+};
+
+// Rank `rank`'s contiguous part of a global batch of `batch` samples: the first batch % world
+// ranks take one sample more. Rank order is sample order, so the ranks together see exactly
+// the samples a single process would.
+struct BatchSlice {
+  int64_t start = 0;
+  int64_t length = 0;
+};
+BatchSlice rank_slice(int64_t batch, int rank, int world_size);
+
+class ShardedDataParallel {
+ public:
+  // Partitions `parameters` (the same model, in the same order, on every rank), checks that
+  // every rank has the same number and bytes of parameters, and broadcasts rank 0's weights so
+  // that all ranks start equal.
+  ShardedDataParallel(DistributedContext& context, std::vector<at::Tensor> parameters, int zero_stage);
+
+  int zero_stage() const { return stage_; }
+  int rank() const { return context_.rank(); }
+  int world_size() const { return context_.world_size(); }
+  int owner(size_t parameter_index) const { return owner_.at(parameter_index); }
+  bool owns(size_t parameter_index) const { return owner(parameter_index) == rank(); }
+
+  // What this rank's optimizer must step: every parameter at stage 0, its own range at 1 and 2.
+  std::vector<at::Tensor> optimized_parameters() const;
+  // Bytes of all parameters, and of this rank's range.
+  int64_t parameter_bytes() const { return total_bytes_; }
+  int64_t owned_bytes() const { return owned_bytes_; }
+
+  // After the last micro-batch's backward: SUM-reduce the gradients (all-reduce at stages 0
+  // and 1; reduce to each owner at stage 2, the others released). A parameter without a
+  // gradient on this rank contributes zeros.
+  void reduce_gradients();
+  // After the optimizer step (which released or zeroed the gradients of the optimized
+  // parameters): at stages 1 and 2 owners broadcast their updated parameters, and at stage 1
+  // the gradients of the parameters this rank does not own are released (or zeroed).
+  void finish_step(bool set_to_none);
+
+  // Saving (stages 1 and 2; every rank calls it): rank 0 receives every other rank's state of
+  // `sharded` (this rank's optimizer, built from `spec`) and returns an optimizer of `spec`
+  // over all parameters holding the whole state, so that rank 0 saves the single-process
+  // format; the other ranks get nullptr. Any torch::optim family (runtime/optimizer.h).
+  std::unique_ptr<torch::optim::Optimizer> gather_optimizer_state(torch::optim::Optimizer& sharded,
+                                                                  const OptimizerSpec& spec);
+  // Resuming (stages 1 and 2): keep of `full` (loaded from a saved file) only the state of the
+  // parameters this rank owns, moved into `sharded`.
+  void keep_owned_state(torch::optim::Optimizer& full, torch::optim::Optimizer& sharded) const;
+
+ private:
+  void send_param_state(torch::optim::Optimizer& sharded, const std::string& key, size_t slots, const char* what);
+  void receive_param_state(torch::optim::Optimizer& full, size_t index, int from, OptimizerFamily family,
+                           const char* what);
+
+  DistributedContext& context_;
+  std::vector<at::Tensor> parameters_;
+  std::vector<int> owner_;
+  int stage_;
+  int64_t total_bytes_ = 0;
+  int64_t owned_bytes_ = 0;
+};
+
+}  // namespace memfit

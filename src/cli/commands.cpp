@@ -1,0 +1,213 @@
+#include "commands.h"
+
+#include <fmt/format.h>
+#include <fmt/ranges.h>
+#include <torch/torch.h>
+
+#include <chrono>
+#include <cstdio>
+#include <iostream>
+#include <sstream>
+
+namespace memfit::cli {
+namespace {
+
+std::string bytes_cell(int64_t b) { return fmt::format("{:>10}  {:>12} B", format_bytes(b), b); }
+
+void print_report_peak(const Report& r) {
+  const auto& a = r.analysis;
+  fmt::print("{}\n", r.description);
+  const StepConfig& c = r.options.step;
+  fmt::print("{} parameters ({}), batch {}, micro-batch {}, precision {}, checkpoint {}, gradients {}\n",
+             r.parameters, format_bytes(r.parameter_bytes), r.batch, c.micro_batch_size(), precision_name(c.precision),
+             c.checkpoint.describe(), c.set_to_none ? "released after the step" : "kept (zeroed)");
+  fmt::print("{}, {}\n\n", c.optimizer.describe(), c.device.str());
+  fmt::print("Peak of the last {} step: {} ({} bytes), during {}\n",
+             r.options.eval_only ? "eval" : "training", format_bytes(a.peak_bytes), a.peak_bytes,
+             phase_name(a.peak_phase));
+  const auto& p = a.at_peak;
+  auto share = [&](int64_t v) { return a.peak_bytes ? 100.0 * static_cast<double>(v) / static_cast<double>(a.peak_bytes) : 0.0; };
+  fmt::print("  {:<18}{}  {:5.1f}%\n", "weights", bytes_cell(p.weights), share(p.weights));
+  fmt::print("  {:<18}{}  {:5.1f}%\n", "gradients", bytes_cell(p.gradients), share(p.gradients));
+  fmt::print("  {:<18}{}  {:5.1f}%\n", "optimizer state", bytes_cell(p.optimizer_state), share(p.optimizer_state));
+  fmt::print("  {:<18}{}  {:5.1f}%\n", "activations", bytes_cell(p.activations), share(p.activations));
+  fmt::print("  {:<18}{}  {:5.1f}%\n", "other", bytes_cell(p.other), share(p.other));
+  if (p.autocast_cache > 0) fmt::print("    of which autocast weight casts {}\n", bytes_cell(p.autocast_cache));
+}
+
+void print_report_states(const Report& r) {
+  const auto& a = r.analysis;
+  if (!r.options.eval_only) {
+    fmt::print("\nAfter backward + optimizer step:\n");
+    fmt::print("  {:<18}{}\n  {:<18}{}\n  {:<18}{}\n", "weights", bytes_cell(r.states.weights), "gradients",
+               bytes_cell(r.states.gradients), "optimizer state", bytes_cell(r.states.optimizer_state));
+    fmt::print("Live between steps: {}  (reserved on CPU: the same; memfit's allocator keeps no cache)\n",
+               bytes_cell(r.between_steps_bytes));
+    if (cuda_available()) {
+      const DeviceMemory m = cuda_memory(0);
+      fmt::print("CUDA: allocated {}, reserved {}\n", bytes_cell(m.allocated), bytes_cell(m.reserved));
+    }
+  }
+  fmt::print("\nPeak per phase:\n");
+  for (Phase ph : {Phase::kForward, Phase::kBackward, Phase::kRecompute, Phase::kOptimizer, Phase::kEval}) {
+    const int64_t v = r.phase_peak[static_cast<int>(ph)];
+    if (v > 0) fmt::print("  {:<18}{}\n", phase_name(ph), bytes_cell(v));
+  }
+  if (r.ranks.size() > 1) {
+    fmt::print("\nState per rank, {} ranks at ZeRO stage {} (predicted from the parameter partition memfit train uses):\n",
+               r.ranks.size(), r.options.zero_stage);
+    for (size_t i = 0; i < r.ranks.size(); ++i) {
+      const auto& s = r.ranks[i];
+      fmt::print("  rank {:<3} weights {}  gradients {}  optimizer state {}\n", i, bytes_cell(s.weights),
+                 bytes_cell(s.gradients), bytes_cell(s.optimizer_state));
+    }
+  }
+  fmt::print("\nActivations each block keeps for backward (end of forward):\n");
+  for (size_t i = 0; i < r.block_names.size(); ++i) {
+    fmt::print("  {:>3} {:<10}{}{}\n", i, r.block_names[i], bytes_cell(a.block_activation_bytes.at(i)),
+               r.block_recomputed[i] ? "  (recomputed)" : "");
+  }
+}
+
+
+void print_plan_table(const Workload& w, const Plan& plan, const Verification* v, const nlohmann::json& j) {
+  fmt::print("{}\n", w.description);
+  fmt::print("Plan for a budget of {} ({} bytes; 3% kept free), batch {}:\n", format_bytes(plan.budget_bytes),
+             plan.budget_bytes, plan.config.batch);
+  const double plain = std::max(1e-12, plan.plain_predicted_seconds);
+  if (plan.feasible) {
+    std::vector<std::string> names;
+    for (int b : plan.config.checkpoint.recomputed_blocks()) names.push_back(w.chain->block(b).name);
+    fmt::print("  {:<28}{} x {}\n", "micro-batch x accumulation", plan.config.micro_batch_size(), plan.config.accumulation());
+    fmt::print("  {:<28}{}\n", "precision", precision_name(plan.config.precision));
+    fmt::print("  {:<28}{}{}\n", "blocks recomputed", plan.config.checkpoint.describe(),
+               names.empty() ? "" : " (" + fmt::format("{}", fmt::join(names, " ")) + ")");
+    fmt::print("  {:<28}{}\n", "optimizer", plan.config.optimizer.describe());
+    fmt::print("  {:<28}{}\n", "predicted peak", bytes_cell(plan.predicted_peak));
+    if (v != nullptr) {
+      fmt::print("  {:<28}{}  ({:+.1f}% vs predicted)\n", "measured peak", bytes_cell(v->measured_peak),
+                 100.0 * static_cast<double>(plan.predicted_peak - v->measured_peak) /
+                     static_cast<double>(std::max<int64_t>(1, v->measured_peak)));
+      fmt::print("  {:<28}{:.2f}x predicted, {:.2f}x measured\n", "step time vs plain step", plan.predicted_seconds / plain,
+                 v->measured_seconds / std::max(1e-12, v->plain_seconds));
+    } else {
+      fmt::print("  {:<28}{:.2f}x predicted\n", "step time vs plain step", plan.predicted_seconds / plain);
+    }
+  }
+  fmt::print("  {:<28}{}\n", "plain step, predicted peak", bytes_cell(plan.plain_predicted_peak));
+  fmt::print("  {:<28}{}\n", "smallest budget (floor)", bytes_cell(plan.floor_bytes));
+  fmt::print("  profiling {:.2f} s, planning {:.3f} s\n", j["profile_seconds"].get<double>(), j["solve_seconds"].get<double>());
+  for (const auto& n : j["notes"]) fmt::print("  note: {}\n", n.get<std::string>());
+}
+
+int64_t parse_budget(const std::string& text) {
+  try {
+    return parse_size(text);
+  } catch (const std::invalid_argument& e) {
+    throw std::invalid_argument(std::string("--budget: ") + e.what());
+  }
+}
+
+double seconds_since(std::chrono::steady_clock::time_point t0) {
+  return std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+}
+
+std::vector<int64_t> parse_step_list(const std::string& text) {
+  std::vector<int64_t> steps;
+  std::stringstream in(text);
+  std::string item;
+  while (std::getline(in, item, ',')) {
+    size_t used = 0;
+    long long v = -1;
+    try {
+      v = std::stoll(item, &used);
+    } catch (const std::exception&) {
+      used = 0;
+    }
+    if (item.empty() || used != item.size() || v < 1) {
+      throw std::invalid_argument("invalid --inject-oom '" + text + "': expected step numbers from 1, like 3,7");
+    }
+    steps.push_back(v);
+  }
+  return steps;
+}
+
+}  // namespace
+
+int run_report_command(WorkloadFlags& wf, const StepFlags& sf, const ReportFlags& f) {
+  Workload w = build_workload(wf);
+  ReportOptions o;
+  o.step = step_config(sf, w.chain->size());
+  o.steps = f.steps;
+  o.eval_only = f.eval;
+  o.world_size = f.world_size;
+  o.zero_stage = f.zero_stage;
+  w.chain->to(o.step.device);
+  Report r = run_report(w, o);
+  if (f.json) {
+    std::cout << report_json(r).dump(2) << "\n";
+  } else {
+    print_report_peak(r);
+    print_report_states(r);
+  }
+  if (!f.html.empty()) {
+    write_html_report(f.html, report_chart_document(r));
+    if (!f.json) fmt::print("\nReport: {}\n", f.html);
+  }
+  return 0;
+}
+
+int run_plan_command(WorkloadFlags& wf, const StepFlags& sf, const PlanFlags& f) {
+  check_option(!f.budget.empty(), "budget", "(none)", "a budget is required, e.g. --budget 300MiB");
+  PlanRequest request;
+  request.budget_bytes = parse_budget(f.budget);
+  auto tracker = std::make_shared<MemoryTracker>();
+  TrackerScope scope(tracker);
+  Workload w = build_workload(wf);
+  request.step = step_config(sf, w.chain->size());
+  request.checkpoint = pinned_checkpoint(sf.checkpoint, w.chain->size());
+  const auto precisions = precision_candidates(sf.precision, request.step.device.type());
+  w.chain->to(request.step.device);
+  const Batch batch = w.data->train_batch(0, request.step.batch, w.seed).to(request.step.device);
+  const auto t0 = std::chrono::steady_clock::now();
+  const Planner planner = measure_and_plan(w, batch, precisions, request, *tracker);
+  const double profile_s = seconds_since(t0);
+  const auto t1 = std::chrono::steady_clock::now();
+  Plan plan = planner.plan();
+  const double solve_s = seconds_since(t1);
+  Verification v;
+  const bool verified = f.verify && plan.feasible;
+  if (verified) v = verify_plan(w, planner, plan, *tracker, /*measure_plain=*/true);
+  nlohmann::json j = verified ? verified_plan_json(plan, v) : plan_json(plan);
+  j["profile_seconds"] = profile_s;
+  j["solve_seconds"] = solve_s;
+  if (f.json) {
+    std::cout << j.dump(2) << "\n";
+  } else {
+    print_plan_table(w, plan, verified ? &v : nullptr, j);
+  }
+  if (plan.feasible) return 0;
+  std::fprintf(stderr, "memfit: budget %s is below the floor: the smallest budget any plan reaches is %s (%lld bytes)\n",
+               format_bytes(plan.budget_bytes).c_str(), format_bytes(plan.floor_bytes).c_str(),
+               static_cast<long long>(plan.floor_bytes));
+  return 1;
+}
+
+int run_train_command(WorkloadFlags& wf, const StepFlags& sf, TrainFlags& f) {
+  TrainOptions& o = f.options;
+  if (!f.budget.empty()) o.budget_bytes = parse_budget(f.budget);
+  if (!f.inject_oom.empty()) o.inject_oom = parse_step_list(f.inject_oom);
+  Workload w = build_workload(wf);
+  const StepConfig fixed = step_config(sf, w.chain->size());
+  o.batch = fixed.batch;
+  o.micro_batch = fixed.micro_batch;
+  o.keep_grads = !fixed.set_to_none;
+  o.device = fixed.device;
+  o.optimizer = fixed.optimizer;
+  o.precision = sf.precision;
+  o.checkpoint = pinned_checkpoint(sf.checkpoint, w.chain->size());
+  train(w, o, std::cout);
+  return 0;
+}
+
+}  // namespace memfit::cli

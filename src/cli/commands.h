@@ -1,0 +1,36 @@
+// commands.h — `memfit report`, `plan` and `train`: each builds the workload from its flags,
+// calls the library and prints.
+#pragma once
+
+#include <string>
+
+#include "flags.h"
+
+namespace memfit::cli {
+
+struct ReportFlags {
+  int64_t steps = 3;
+  bool eval = false;
+  bool json = false;
+  std::string html;
+  int world_size = 1;
+  int zero_stage = 0;
+};
+
+struct PlanFlags {
+  std::string budget;
+  bool json = false;
+  bool verify = true;
+};
+
+struct TrainFlags {
+  TrainOptions options;
+  std::string budget;
+  std::string inject_oom;
+};
+
+int run_report_command(WorkloadFlags& workload, const StepFlags& step, const ReportFlags& flags);
+int run_plan_command(WorkloadFlags& workload, const StepFlags& step, const PlanFlags& flags);
+int run_train_command(WorkloadFlags& workload, const StepFlags& step, TrainFlags& flags);
+
+}  // namespace memfit::cli

@@ -1,0 +1,113 @@
+#include "flags.h"
+
+#include <torch/torch.h>
+
+#include <map>
+#include <sstream>
+#include <thread>
+
+namespace memfit::cli {
+
+void add_workload_flags(CLI::App& app, WorkloadFlags& f) {
+  app.add_option("--model", f.model.model, "gpt | cnn | mlp")->capture_default_str();
+  app.add_option("--layers", f.layers, "gpt: transformer layers (8); mlp: hidden layers (4)");
+  app.add_option("--d-model", f.model.gpt.d_model, "gpt: model width")->capture_default_str();
+  app.add_option("--heads", f.model.gpt.heads, "gpt: attention heads (must divide --d-model)")->capture_default_str();
+  app.add_option("--dropout", f.model.gpt.dropout, "gpt: dropout probability")->capture_default_str();
+  app.add_option("--seq", f.model.gpt.seq, "gpt: sequence length in characters")->capture_default_str();
+  app.add_option("--data", f.model.data_file, "gpt: a text file to train on instead of the Bible");
+  app.add_option("--blocks", f.model.cnn.blocks, "cnn: residual blocks")->capture_default_str();
+  app.add_option("--channels", f.model.cnn.channels, "cnn: channels")->capture_default_str();
+  app.add_option("--width", f.model.mlp.width, "mlp: hidden width")->capture_default_str();
+  app.add_option("--seed", f.model.seed, "seed for weights, batches and dropout")->capture_default_str();
+  app.add_option("--threads", f.threads, "LibTorch threads (default: all cores)");
+}
+
+void add_step_flags(CLI::App& app, StepFlags& f, bool planned) {
+  f.precision = planned ? "auto" : "fp32";
+  f.checkpoint = planned ? "auto" : "none";
+  app.add_option("--batch", f.batch, "samples per optimizer step")->capture_default_str();
+  app.add_option("--micro-batch", f.micro_batch,
+                 planned ? "pin the micro-batch size (default: planned)" : "samples per micro-batch (gradient accumulation)");
+  app.add_option("--precision", f.precision, planned ? "auto | fp32 | bf16 | fp16" : "fp32 | bf16 | fp16 (autocast)")
+      ->capture_default_str();
+  app.add_option("--checkpoint", f.checkpoint,
+                 std::string(planned ? "auto (solved) | " : "") + "none | all | every:K | i,j,... (blocks recomputed)")
+      ->capture_default_str();
+  app.add_flag("--keep-grads", f.keep_grads, "zero gradients instead of releasing them (set_to_none off)");
+  app.add_option("--device", f.device, "cpu | cuda | cuda:N")->capture_default_str();
+  app.add_option("--optimizer", f.optimizer, "adamw | adam | sgd | rmsprop | adagrad")->capture_default_str();
+  app.add_option("--lr", f.lr, "learning rate")->capture_default_str();
+  app.add_option("--momentum", f.momentum, "sgd, rmsprop: momentum")->capture_default_str();
+  app.add_option("--weight-decay", f.weight_decay, "weight decay (default: adamw 0.01, others 0)");
+  app.add_option("--betas", f.betas, "adam, adamw: B1,B2")->capture_default_str();
+}
+
+Workload build_workload(WorkloadFlags& f) {
+  check_option(f.threads >= 0, "threads", f.threads, "expected >= 1 (0: all cores)");
+  at::set_num_threads(f.threads > 0 ? f.threads : static_cast<int>(std::max(1u, std::thread::hardware_concurrency())));
+  if (f.layers != 0) f.model.gpt.layers = f.model.mlp.layers = f.layers;
+  return make_workload(f.model);
+}
+
+c10::Device parse_device(const std::string& text) {
+  try {
+    const c10::Device device(text);
+    if (device.is_cpu() || device.is_cuda()) return device;
+  } catch (const c10::Error&) {
+  }
+  throw OptionError("device", "'" + text + "'", "expected cpu, cuda or cuda:N");
+}
+
+OptimizerSpec optimizer_spec(const StepFlags& f) {
+  OptimizerSpec s;
+  s.family = parse_optimizer_family(f.optimizer);
+  s.lr = f.lr;
+  s.momentum = f.momentum;
+  s.weight_decay = f.weight_decay;
+  char comma = 0;
+  std::istringstream in(f.betas);
+  if (!(in >> s.beta1 >> comma >> s.beta2) || comma != ',' || !in.eof()) {
+    throw OptionError("optimizer.betas", "'" + f.betas + "'", "expected B1,B2 like 0.9,0.999");
+  }
+  check_optimizer_spec(s);
+  return s;
+}
+
+std::optional<CheckpointPlan> pinned_checkpoint(const std::string& spec, int blocks) {
+  if (spec == "auto") return std::nullopt;
+  return CheckpointPlan::parse(spec, blocks);
+}
+
+StepConfig step_config(const StepFlags& f, int blocks) {
+  StepConfig c;
+  c.device = parse_device(f.device);
+  c.batch = f.batch;
+  c.micro_batch = f.micro_batch;
+  c.set_to_none = !f.keep_grads;
+  c.optimizer = optimizer_spec(f);
+  if (f.precision != "auto") c.precision = parse_precision(f.precision);
+  c.checkpoint = pinned_checkpoint(f.checkpoint, blocks).value_or(CheckpointPlan::none());
+  check_step_config(c, blocks);
+  return c;
+}
+
+std::string flag_message(const OptionError& e) {
+  static const std::map<std::string, std::string> flags = {
+      {"batch", "--batch"}, {"micro_batch", "--micro-batch"}, {"precision", "--precision"},
+      {"checkpoint", "--checkpoint"}, {"steps", "--steps"}, {"budget", "--budget"}, {"device", "--device"},
+      {"threads", "--threads"}, {"model", "--model"}, {"optimizer", "--optimizer"}, {"optimizer.lr", "--lr"},
+      {"optimizer.momentum", "--momentum"}, {"optimizer.weight_decay", "--weight-decay"}, {"optimizer.betas", "--betas"},
+      {"gpt.layers", "--layers"}, {"mlp.layers", "--layers"}, {"gpt.d_model", "--d-model"}, {"gpt.heads", "--heads"},
+      {"gpt.seq", "--seq"}, {"gpt.dropout", "--dropout"}, {"gpt.vocab", "--data"}, {"cnn.blocks", "--blocks"},
+      {"cnn.channels", "--channels"}, {"mlp.width", "--width"}, {"world_size", "--world-size"}, {"zero_stage", "--zero"},
+      {"distributed.world_size", "--world-size"}, {"distributed.rank", "--rank"}, {"distributed.master", "--master"},
+      {"distributed.timeout", "--dist-timeout"}, {"save_every", "--save-every"}, {"eval_every", "--eval-every"},
+      {"eval_batches", "--eval-batches"}, {"inject_oom", "--inject-oom"}, {"json_log", "--json-log"},
+      {"dump_weights", "--dump-weights"}};
+  const auto it = flags.find(e.option());
+  if (it == flags.end()) return e.what();
+  return "invalid " + it->second + " " + e.value() + ": " + e.expected();
+}
+
+}  // namespace memfit::cli

@@ -1,0 +1,54 @@
+// flags.h — the flags shared by `memfit report`, `plan` and `train`, declared once, and how
+// library errors are said in flag names.
+#pragma once
+
+#include <CLI/CLI.hpp>
+
+#include <optional>
+#include <string>
+
+#include "memfit/memfit.h"
+#include "memfit/zoo/workloads.h"
+
+namespace memfit::cli {
+
+// The model, its shape and data: how the built-in workload is made.
+struct WorkloadFlags {
+  ModelOptions model;
+  int64_t layers = 0;  // gpt: transformer layers; mlp: hidden layers (0 = the model's default)
+  int threads = 0;     // LibTorch threads (0: all cores)
+};
+
+// The step: batch and the techniques, and the optimizer.
+struct StepFlags {
+  int64_t batch = 16;
+  int64_t micro_batch = 0;
+  std::string precision;   // report: fp32; plan and train: auto
+  std::string checkpoint;  // report: none; plan and train: auto
+  bool keep_grads = false;
+  std::string device = "cpu";
+  std::string optimizer = "adamw";
+  double lr = 1e-3;
+  double momentum = 0;
+  std::optional<double> weight_decay;
+  std::string betas = "0.9,0.999";
+};
+
+void add_workload_flags(CLI::App& app, WorkloadFlags& flags);
+// `planned`: plan and train, whose precision and checkpoint default to auto (chosen).
+void add_step_flags(CLI::App& app, StepFlags& flags, bool planned);
+
+// Applies --threads and --layers, then builds the workload (seeded).
+Workload build_workload(WorkloadFlags& flags);
+c10::Device parse_device(const std::string& text);
+OptimizerSpec optimizer_spec(const StepFlags& flags);
+// The step's fixed configuration: batch, micro-batch, set_to_none, optimizer, device; for
+// `report` also the precision and checkpoint (plan and train leave them to the planner).
+StepConfig step_config(const StepFlags& flags, int blocks);
+// "auto" -> unset; anything else parsed against the chain.
+std::optional<CheckpointPlan> pinned_checkpoint(const std::string& spec, int blocks);
+
+// An OptionError said with the CLI's flag name: "invalid --micro-batch 32: expected ...".
+std::string flag_message(const OptionError& error);
+
+}  // namespace memfit::cli

@@ -1,0 +1,85 @@
+#include "memfit/measure/budget_allocator.h"
+
+#include <c10/core/CPUAllocator.h>
+#include <c10/core/impl/alloc_cpu.h>
+#include <c10/util/Exception.h>
+
+#include <cstring>
+#include <string>
+
+#include "memfit/measure/size.h"
+
+namespace memfit {
+namespace {
+std::atomic<BudgetAllocator*> g_installed{nullptr};
+}
+
+BudgetAllocator& BudgetAllocator::install() {
+  static BudgetAllocator* instance = [] {
+    auto* a = new BudgetAllocator();  // never destroyed: tensors may outlive static destructors
+    c10::SetCPUAllocator(a, /*priority=*/100);
+    g_installed.store(a);
+    return a;
+  }();
+  return *instance;
+}
+
+BudgetAllocator* BudgetAllocator::installed() { return g_installed.load(); }
+
+void BudgetAllocator::set_budget(int64_t bytes) {
+  TORCH_CHECK(bytes > 0, "memfit: budget must be positive, got ", bytes, " bytes");
+  budget_.store(bytes);
+}
+
+c10::DataPtr BudgetAllocator::allocate(size_t nbytes) MEMFIT_ALLOCATE_CONST {
+  const c10::Device cpu(c10::kCPU);
+  if (nbytes == 0) return c10::DataPtr(nullptr, nullptr, &Delete, cpu);
+  const auto n = static_cast<int64_t>(nbytes);
+
+  const int64_t countdown = fail_countdown_.load();
+  bool injected = false;
+  if (countdown > 0) injected = fail_countdown_.fetch_sub(1) == 1;
+
+  const int64_t after = allocated_.fetch_add(n) + n;
+  if (injected || after > budget_.load()) {
+    allocated_.fetch_sub(n);
+    ooms_.fetch_add(1);
+    c10::reportOutOfMemoryToProfiler(n, after - n, after - n, cpu);
+    const int64_t budget = budget_.load();
+    TORCH_CHECK_WITH(OutOfMemoryError, false, "memfit: CPU out of memory",
+                     injected ? " (injected)" : "", ": tried to allocate ", format_bytes(n),
+                     "; budget ", budget == kUnlimited ? std::string("unlimited") : format_bytes(budget),
+                     ", ", format_bytes(after - n), " already allocated");
+  }
+  // Peak is a running max; a lost race only delays it by one allocation.
+  int64_t seen = peak_.load();
+  while (after > seen && !peak_.compare_exchange_weak(seen, after)) {
+  }
+
+  auto* base = static_cast<char*>(c10::alloc_cpu(nbytes + kHeader));
+  std::memcpy(base, &n, sizeof(n));
+  void* data = base + kHeader;
+  c10::reportMemoryUsageToProfiler(data, n, after, after, cpu);
+  return c10::DataPtr(data, data, &Delete, cpu);
+}
+
+void BudgetAllocator::Delete(void* data) {
+  if (data == nullptr) return;
+  char* base = static_cast<char*>(data) - kHeader;
+  int64_t n = 0;
+  std::memcpy(&n, base, sizeof(n));
+  BudgetAllocator* self = g_installed.load();
+  const int64_t after = self->allocated_.fetch_sub(n) - n;
+  c10::reportMemoryUsageToProfiler(data, -n, after, after, c10::Device(c10::kCPU));
+  c10::free_cpu(base);
+}
+
+BudgetGuard::BudgetGuard(int64_t bytes) {
+  auto& alloc = BudgetAllocator::install();
+  previous_ = alloc.budget();
+  alloc.set_budget(bytes);
+}
+
+BudgetGuard::~BudgetGuard() { BudgetAllocator::install().set_budget(previous_); }
+
+}  // namespace memfit

@@ -1,0 +1,261 @@
+#include "memfit/plan/planner.h"
+
+#include <algorithm>
+#include <cmath>
+#include <cstdio>
+#include <limits>
+
+#include "memfit/errors.h"
+#include "memfit/measure/size.h"
+
+namespace memfit {
+
+std::vector<Precision> precision_candidates(const std::string& text, c10::DeviceType device) {
+  if (text == "auto") {
+    std::vector<Precision> out{Precision::kFP32};
+    for (Precision p : {Precision::kBF16, Precision::kFP16}) {
+      if (precision_supported(p, device)) out.push_back(p);
+    }
+    return out;
+  }
+  const Precision p = parse_precision(text);  // throws, naming the value and the choices
+  std::string why;
+  check_option(precision_supported(p, device, &why), "precision", text, why);
+  return {p};
+}
+
+Planner::Planner(WorkloadProfile profile, PlanRequest request) : profile_(std::move(profile)), request_(std::move(request)) {
+  const int64_t B = request_.step.batch;
+  check_option(B >= 1 && B == profile_.batch, "batch", B,
+               "expected the batch the profile was measured for (" + std::to_string(profile_.batch) + ")");
+  check_option(request_.step.micro_batch >= 0 && request_.step.micro_batch <= B, "micro_batch", request_.step.micro_batch,
+               "expected 0 (searched) or 1 to batch (" + std::to_string(B) + ")");
+  TORCH_CHECK(!profile_.precisions.empty(), "memfit::Planner: the profile holds no precision");
+}
+
+const PrecisionProfile& Planner::precision_profile(Precision precision) const {
+  for (const auto& p : profile_.precisions) {
+    if (p.precision == precision) return p;
+  }
+  TORCH_CHECK(false, "memfit::Planner: precision ", precision_name(precision), " was not profiled");
+}
+
+ChainCosts Planner::costs_at(int64_t m) const { return costs_at(m, profile_.precisions.front()); }
+ChainCosts Planner::costs_at(int64_t m, Precision precision) const { return costs_at(m, precision_profile(precision)); }
+
+double Planner::chain_seconds(int64_t m, const PrecisionProfile& p) const {
+  // The plain chain's measured seconds at m: the line through the two measured sizes, never
+  // falling with m and never below zero at m = 0 (a fixed cost per micro-batch is real; a
+  // negative one would make small micro-batches look cheaper per sample than they are).
+  const int64_t m1 = p.small.micro_batch, m2 = p.large.micro_batch, B = profile_.batch;
+  if (m > m2 && B > m2 && p.chain_seconds_full > 0) {
+    // Above the larger profiled size: the line to the whole batch's estimate.
+    const double slope = std::max(0.0, (p.chain_seconds_full - p.chain_seconds_large) / static_cast<double>(B - m2));
+    return p.chain_seconds_large + slope * static_cast<double>(m - m2);
+  }
+  if (m2 <= m1) return p.chain_seconds_large;
+  const double slope = std::max(0.0, (p.chain_seconds_large - p.chain_seconds_small) / static_cast<double>(m2 - m1));
+  const double intercept = p.chain_seconds_large - slope * static_cast<double>(m2);
+  return intercept >= 0 ? intercept + slope * static_cast<double>(m)
+                        : p.chain_seconds_large * static_cast<double>(m) / static_cast<double>(m2);
+}
+
+ChainCosts Planner::costs_at(int64_t m, const PrecisionProfile& p) const {
+  ChainCosts c = block_costs_at(p, m);
+  double block_seconds = 0;
+  for (const auto& b : c.blocks) block_seconds += b.forward_seconds + b.backward_seconds;
+  if (block_seconds > 0) {
+    const double scale = chain_seconds(m, p) / block_seconds;  // the blocks' seconds only divide the chain's
+    for (auto& b : c.blocks) {
+      b.forward_seconds *= scale;
+      b.backward_seconds *= scale;
+    }
+  }
+  c.fixed_bytes = profile_.weight_bytes + request_.optimizer.state_bytes + profile_.batch_bytes + request_.resident_bytes;
+  c.gradients_present = m < profile_.batch || !request_.step.set_to_none;
+  c.segment_overhead_bytes = profile_.segment_overhead_bytes;
+  return c;
+}
+
+int64_t Planner::optimizer_peak() const {
+  // The optimizer step: weights, gradients, the optimizer's state and temporaries (both
+  // measured), the batch, and what else lives then (state gathered for saving).
+  const int64_t gradients = request_.gradient_bytes >= 0 ? request_.gradient_bytes : profile_.weight_bytes;
+  return profile_.weight_bytes + gradients + request_.optimizer.state_bytes + request_.optimizer.step_bytes +
+         profile_.batch_bytes + request_.extra_bytes + request_.resident_bytes;
+}
+
+double Planner::step_seconds(int64_t m, const PrecisionProfile& p, const std::vector<std::pair<int, int>>& segments) const {
+  const int64_t B = profile_.batch;
+  const int64_t full = B / m, rest = B % m;
+  double seconds = static_cast<double>(full) * evaluate_schedule(costs_at(m, p), segments).seconds;
+  if (rest > 0) seconds += evaluate_schedule(costs_at(rest, p), segments).seconds;
+  return seconds;
+}
+
+Schedule Planner::uniform(int64_t m, int segments) const {
+  const ChainCosts c = costs_at(m);
+  const int n = static_cast<int>(c.blocks.size());
+  const int length = (n + segments - 1) / segments;
+  std::vector<std::pair<int, int>> s;
+  for (int start = 0; start + length < n; start += length) s.emplace_back(start, std::min(n, start + length) - 1);
+  return evaluate_schedule(c, s);
+}
+
+Plan Planner::prediction_base(int64_t budget) const {
+  Plan p;
+  p.budget_bytes = budget;
+  p.config = request_.step;
+  p.baseline_precision = profile_.precisions.front().precision;
+  p.config.precision = p.baseline_precision;
+  const Schedule plain = evaluate_schedule(costs_at(profile_.batch), {});
+  p.plain_predicted_peak = std::max(plain.peak_bytes, optimizer_peak());
+  p.plain_predicted_seconds = plain.seconds;
+  p.floor_bytes = floor_bytes();
+  p.checkpoint_pinned = request_.checkpoint.has_value();
+  return p;
+}
+
+Plan Planner::evaluate(int64_t m, Precision precision, const CheckpointPlan& checkpoint, int64_t budget) const {
+  if (budget <= 0) budget = request_.budget_bytes;
+  check_option(m >= 1 && m <= profile_.batch, "micro_batch", m, "expected 1 to batch (" + std::to_string(profile_.batch) + ")");
+  const PrecisionProfile& pp = precision_profile(precision);
+  Plan p = prediction_base(budget);
+  p.config.micro_batch = m;
+  p.config.precision = precision;
+  p.config.checkpoint = checkpoint;
+  p.predicted_peak = std::max(evaluate_schedule(costs_at(m, pp), checkpoint.segments).peak_bytes, optimizer_peak());
+  p.predicted_seconds = step_seconds(m, pp, checkpoint.segments);
+  const auto usable = static_cast<int64_t>(static_cast<double>(budget) * (1.0 - request_.margin));
+  p.feasible = p.predicted_peak <= usable;
+  return p;
+}
+
+int64_t Planner::floor_bytes() const {
+  // The smallest peak over precisions at the smallest micro-batch allowed, margin included.
+  const int64_t m = request_.step.micro_batch > 0 ? request_.step.micro_batch : 1;
+  int64_t smallest = std::numeric_limits<int64_t>::max();
+  for (const auto& pp : profile_.precisions) {
+    const ChainCosts c = costs_at(m, pp);
+    const int64_t s = request_.checkpoint ? evaluate_schedule(c, request_.checkpoint->segments).peak_bytes : smallest_peak(c);
+    smallest = std::min(smallest, std::max(s, optimizer_peak()));
+  }
+  return static_cast<int64_t>(std::ceil(static_cast<double>(smallest) / (1.0 - request_.margin)));
+}
+
+Plan Planner::best_plan_of(const PrecisionProfile& pp, int64_t usable) const {
+  // Micro-batch sizes tried: the pinned one, or B, B/2, B/4, ... 1. Ties (within 1%) go to
+  // the larger micro-batch.
+  const int64_t B = profile_.batch;
+  std::vector<int64_t> sizes;
+  if (request_.step.micro_batch > 0) {
+    sizes.push_back(request_.step.micro_batch);
+  } else {
+    for (int64_t m = B; m >= 1; m = m == 1 ? 0 : (m + 1) / 2) sizes.push_back(m);
+  }
+  Plan best;
+  best.config = request_.step;
+  best.config.precision = pp.precision;
+  if (optimizer_peak() > usable) return best;
+  for (int64_t m : sizes) {
+    const ChainCosts costs = costs_at(m, pp);
+    const Schedule s = request_.checkpoint ? evaluate_schedule(costs, request_.checkpoint->segments) : solve_schedule(costs, usable);
+    if (!s.feasible || s.peak_bytes > usable) continue;
+    const double seconds = step_seconds(m, pp, s.segments);
+    if (best.feasible && seconds >= 0.99 * best.predicted_seconds) continue;
+    best.feasible = true;
+    best.config.micro_batch = m;
+    best.config.checkpoint.segments = s.segments;
+    best.predicted_peak = std::max(s.peak_bytes, optimizer_peak());
+    best.predicted_seconds = seconds;
+  }
+  return best;
+}
+
+void Planner::explain_choice(Plan& p, const std::vector<Plan>& best_of) const {
+  // Say plainly why this precision, when there was a choice.
+  const char* chosen = precision_name(p.config.precision);
+  char buf[160];
+  for (const auto& b : best_of) {
+    if (b.config.precision == p.config.precision) continue;
+    const char* name = precision_name(b.config.precision);
+    if (!b.feasible) {
+      std::snprintf(buf, sizeof buf, "%s considered: no %s plan fits", name, name);
+    } else {
+      std::snprintf(buf, sizeof buf, "%s: its best plan is predicted %.2fx the time of the %s plan chosen", name,
+                    b.predicted_seconds / p.predicted_seconds, chosen);
+    }
+    p.notes.push_back(buf);
+  }
+  if (best_of.size() > 1 && p.config.precision != p.baseline_precision) {
+    p.notes.push_back(std::string("precision ") + chosen +
+                      " chosen: mixed precision measured faster on this device (pass --precision fp32 to forbid it)");
+  }
+}
+
+Plan Planner::plan(int64_t budget) const {
+  if (budget <= 0) budget = request_.budget_bytes;
+  Plan p = prediction_base(budget);
+  p.notes = profile_.notes;
+  const auto usable = static_cast<int64_t>(static_cast<double>(budget) * (1.0 - request_.margin));
+  // The fastest fitting plan of each precision, then the fastest of those (ties, within 1%, go
+  // to the earlier precision).
+  std::vector<Plan> best_of;
+  for (const auto& pp : profile_.precisions) best_of.push_back(best_plan_of(pp, usable));
+  const Plan* chosen = nullptr;
+  for (const auto& b : best_of) {
+    if (b.feasible && (chosen == nullptr || b.predicted_seconds < 0.99 * chosen->predicted_seconds)) chosen = &b;
+  }
+  if (chosen == nullptr) {
+    p.notes.push_back("no plan fits " + format_bytes(budget) + ": the smallest budget that works is " +
+                      format_bytes(p.floor_bytes) + " (" + std::to_string(p.floor_bytes) + " bytes)");
+    return p;
+  }
+  p.feasible = true;
+  p.config = chosen->config;
+  p.predicted_peak = chosen->predicted_peak;
+  p.predicted_seconds = chosen->predicted_seconds;
+  explain_choice(p, best_of);
+  return p;
+}
+
+nlohmann::json plan_json(const Plan& p) {
+  const double plain = p.plain_predicted_seconds > 0 ? p.plain_predicted_seconds : 1;
+  return {{"budget_bytes", p.budget_bytes},
+          {"feasible", p.feasible},
+          {"floor_bytes", p.floor_bytes},
+          {"config", p.feasible ? step_config_json(p.config) : nlohmann::json(nullptr)},
+          {"checkpoint_pinned", p.checkpoint_pinned},
+          {"predicted", {{"peak_bytes", p.predicted_peak}, {"seconds", p.predicted_seconds},
+                         {"step_time_ratio", p.predicted_seconds / plain}}},
+          {"plain", {{"precision", precision_name(p.baseline_precision)},
+                     {"predicted_peak_bytes", p.plain_predicted_peak},
+                     {"predicted_seconds", p.plain_predicted_seconds}}},
+          {"notes", p.notes}};
+}
+
+Plan plan_from_json(const nlohmann::json& j, int blocks) {
+  Plan p;
+  p.budget_bytes = j.at("budget_bytes").get<int64_t>();
+  p.feasible = j.at("feasible").get<bool>();
+  p.floor_bytes = j.at("floor_bytes").get<int64_t>();
+  if (p.feasible) p.config = step_config_from_json(j.at("config"), blocks);
+  p.checkpoint_pinned = j.at("checkpoint_pinned").get<bool>();
+  p.predicted_peak = j.at("predicted").at("peak_bytes").get<int64_t>();
+  p.predicted_seconds = j.at("predicted").at("seconds").get<double>();
+  p.baseline_precision = parse_precision(j.at("plain").at("precision").get<std::string>());
+  p.plain_predicted_peak = j.at("plain").at("predicted_peak_bytes").get<int64_t>();
+  p.plain_predicted_seconds = j.at("plain").at("predicted_seconds").get<double>();
+  p.notes = j.at("notes").get<std::vector<std::string>>();
+  return p;
+}
+
+Planner measure_and_plan(Workload& w, const Batch& batch, const std::vector<Precision>& precisions, PlanRequest request,
+                         MemoryTracker& tracker, std::vector<at::Tensor> optimized) {
+  if (optimized.empty()) optimized = w.chain->parameters();
+  WorkloadProfile profile = profile_workload(w, batch, precisions, tracker);
+  request.optimizer = measure_optimizer(request.step.optimizer, optimized, tracker);
+  return Planner(std::move(profile), std::move(request));
+}
+
+}  // namespace memfit

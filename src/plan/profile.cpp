@@ -1,0 +1,259 @@
+#include "memfit/plan/profile.h"
+
+#include <torch/torch.h>
+
+#include <algorithm>
+#include <chrono>
+
+#include "memfit/runtime/step.h"
+#include "memfit/techniques/grads.h"
+#include "memfit/techniques/rng.h"
+
+namespace memfit {
+namespace {
+
+using Clock = std::chrono::steady_clock;
+double seconds_since(Clock::time_point t0) { return std::chrono::duration<double>(Clock::now() - t0).count(); }
+
+int64_t storage_bytes(const at::Tensor& t) { return t.defined() ? static_cast<int64_t>(t.storage().nbytes()) : 0; }
+
+// Forward + backward of the plain chain (or with every block recomputed) on the first m
+// samples: its seconds, and its peak above the live bytes at its start.
+struct ChainRun {
+  Workload& workload;
+  const Batch& batch;
+  MemoryTracker& tracker;
+  StepOptions options;
+
+  double operator()(int64_t m, int64_t* peak = nullptr) {
+    auto params = workload.chain->parameters();
+    zero_grad(params, true);
+    const int64_t live0 = tracker.current();
+    tracker.reset_peak();
+    const auto t0 = Clock::now();
+    forward_backward(workload, batch.slice(0, m), 1.0, options);
+    const double s = seconds_since(t0);
+    if (peak) *peak = tracker.peak() - live0;
+    zero_grad(params, true);
+    return s;
+  }
+  // The faster of two runs (the bytes are the same each time).
+  double best_of_two(int64_t m, int64_t* peak = nullptr) { return std::min((*this)(m, peak), (*this)(m)); }
+};
+
+// The two profiled sizes: a quarter and a half of the batch (at least 1 and 2), small enough
+// to be quick, large enough that timings are not noise and per-sample parts dominate.
+std::pair<int64_t, int64_t> profiled_sizes(int64_t batch) {
+  const int64_t a = std::max<int64_t>(1, batch / 4);
+  const int64_t b = std::min<int64_t>(batch, std::max<int64_t>(a + 1, batch / 2));
+  return {a, b};
+}
+
+// The whole plain chain at both sizes. Its bytes at the larger size calibrate the blocks'
+// bytes: what the per-block model misses (the loss's buffers, engine bookkeeping) is mostly
+// proportional to activations. Its seconds are the time model: blocks timed alone miss how the
+// whole chain runs (caches, threads), and small micro-batches pay per-call costs that only a
+// real run shows.
+void time_whole_chain(Workload& w, const Batch& batch, MemoryTracker& tracker, PrecisionProfile& pp) {
+  const int64_t a = pp.small.micro_batch, b = pp.large.micro_batch, B = batch.size();
+  StepConfig config;
+  config.precision = pp.precision;
+  ChainRun run{w, batch, tracker, StepOptions{config}};
+  int64_t measured = 0;
+  pp.chain_seconds_large = run.best_of_two(b, &measured);
+  pp.chain_seconds_small = b > a ? run.best_of_two(a) : pp.chain_seconds_large;
+  if (B > b) {
+    // The whole batch too, for the time line above b (where micro-batching is decided), but
+    // with every block recomputed, so that profiling needs little more memory than the
+    // smallest plan. The same run at b, against the plain one there, says what recomputing
+    // costs; that ratio takes it out again.
+    run.options.config.checkpoint = CheckpointPlan::all(w.chain->size());
+    const double all_large = run.best_of_two(b);
+    const double all_full = run.best_of_two(B);
+    pp.chain_seconds_full = all_large > 0 ? all_full * pp.chain_seconds_large / all_large : all_full;
+  }
+  const int64_t predicted = evaluate_schedule(block_costs_at(pp, b), {}).peak_bytes;
+  if (predicted > 0) pp.calibration = std::clamp(static_cast<double>(measured) / static_cast<double>(predicted), 0.8, 1.5);
+}
+
+}  // namespace
+
+ChainProfile profile_chain(Workload& w, const Batch& batch, int64_t m, Precision precision, MemoryTracker& tracker) {
+  ChainProfile prof;
+  prof.micro_batch = m;
+  const Batch part = batch.slice(0, m);
+  Chain& chain = *w.chain;
+  const int n = chain.size();
+  const auto device = part.input.device().type();
+  at::Tensor x = part.input;
+  // Dropout draws must not disturb the caller's random stream.
+  const RngState rng = capture_rng(part.input.device());
+  for (int i = 0; i < n; ++i) {
+    BlockCost c;
+    const auto block_params = chain.block(i).module->parameters();
+    for (const auto& p : block_params) c.param_bytes += static_cast<int64_t>(p.storage().nbytes());
+    if (precision != Precision::kFP32) {
+      const int64_t element = static_cast<int64_t>(c10::elementSize(precision_dtype(precision)));
+      for (const auto& p : autocast_cast_parameters(*chain.block(i).module)) c.cast_bytes += p.numel() * element;
+    }
+    const bool last = i == n - 1;
+    at::Tensor xi = x.is_floating_point() ? x.detach().requires_grad_(true) : x;
+
+    {  // inside a checkpointed segment: no grad
+      at::NoGradGuard no_grad;
+      Autocast autocast(device, precision);
+      const int64_t live0 = tracker.current();
+      tracker.reset_peak();
+      at::Tensor y = chain.block(i).forward(xi);
+      c.forward_nograd_peak = tracker.peak() - live0;
+    }
+    at::Tensor next_input;
+    c.forward_seconds = c.backward_seconds = 1e30;
+    for (int run = 0; run < 2; ++run) {  // bytes are the same each run; the faster time counts
+      const auto uses = xi.use_count();
+      const auto storage_uses = xi.storage().use_count();
+      const int64_t live0 = tracker.current();
+      tracker.reset_peak();
+      auto t0 = Clock::now();
+      at::Tensor y, out;
+      {
+        Autocast autocast(device, precision);
+        y = chain.block(i).forward(xi);
+        out = last ? w.loss(y, part.target) : y;  // the last block carries the loss
+      }
+      c.forward_seconds = std::min(c.forward_seconds, seconds_since(t0));
+      c.forward_peak = tracker.peak() - live0;
+      if (i > 0 && run == 0) {
+        // Did this block keep its input for backward? Then the previous output stays alive.
+        prof.blocks.back().output_kept = xi.use_count() > uses || xi.storage().use_count() > storage_uses;
+      }
+      if (!last) next_input = y.detach();
+      y = at::Tensor();
+      c.output_bytes = static_cast<int64_t>(out.storage().nbytes());
+      c.kept_bytes = tracker.current() - live0 - c.output_bytes;  // internal: without the output
+      at::Tensor g = at::ones_like(out);
+      const int64_t live1 = tracker.current();
+      tracker.reset_peak();
+      t0 = Clock::now();
+      out.backward(g);
+      c.backward_seconds = std::min(c.backward_seconds, seconds_since(t0));
+      c.backward_peak = tracker.peak() - live1;
+      out = at::Tensor();
+      g = at::Tensor();
+      zero_grad(block_params, true);
+      if (xi.requires_grad()) xi.mutable_grad().reset();
+    }
+    if (last) {
+      c.output_kept = true;  // the loss lives until backward
+    }
+    prof.blocks.push_back(c);
+    x = next_input;
+  }
+  for (auto& c : prof.blocks) {
+    if (c.output_kept) c.kept_bytes += c.output_bytes;
+  }
+  restore_rng(rng);
+  return prof;
+}
+
+WorkloadProfile profile_workload(Workload& w, const Batch& batch, const std::vector<Precision>& precisions,
+                                 MemoryTracker& tracker) {
+  TORCH_CHECK(!precisions.empty(), "memfit::profile_workload: precisions must name at least one candidate");
+  WorkloadProfile profile;
+  profile.batch = batch.size();
+  profile.weight_bytes = parameter_bytes(*w.chain);
+  profile.batch_bytes = storage_bytes(batch.input) + storage_bytes(batch.target);
+  profile.segment_overhead_bytes = storage_bytes(capture_rng(batch.input.device()).cpu);
+  const auto [a, b] = profiled_sizes(profile.batch);
+  auto params = w.chain->parameters();
+  for (Precision precision : precisions) {
+    PrecisionProfile pp;
+    pp.precision = precision;
+    try {
+      profile_chain(w, batch, a, precision, tracker);  // first-touch costs out of the way
+      pp.small = profile_chain(w, batch, a, precision, tracker);
+      pp.large = b > a ? profile_chain(w, batch, b, precision, tracker) : pp.small;
+    } catch (const c10::OutOfMemoryError&) {
+      throw;
+    } catch (const c10::Error& e) {
+      // A mixed precision this model cannot run (e.g. GroupNorm under CPU bf16 autocast in
+      // 1.13) is dropped from the search, and the plan says why.
+      zero_grad(params, true);
+      if (precision == precisions.front()) throw;
+      const std::string what = e.what_without_backtrace();
+      profile.notes.push_back(std::string(precision_name(precision)) + " not considered: it fails on this model (" +
+                              what.substr(0, what.find('\n')) + ")");
+      continue;
+    }
+    time_whole_chain(w, batch, tracker, pp);
+    profile.precisions.push_back(pp);
+  }
+  return profile;
+}
+
+ChainCosts block_costs_at(const PrecisionProfile& p, int64_t m) {
+  ChainCosts c;
+  const int64_t m1 = p.small.micro_batch, m2 = p.large.micro_batch;
+  // Below the smallest measured size a block is not assumed any faster: fixed per-call costs
+  // dominate there (these seconds only divide the chain's time among blocks).
+  const int64_t mt = std::max(m, m1);
+  for (size_t i = 0; i < p.small.blocks.size(); ++i) {
+    const BlockCost& s = p.small.blocks[i];
+    const BlockCost& l = p.large.blocks[i];
+    BlockCost f;
+    f.forward_seconds = fit_line(m1, s.forward_seconds, m2, l.forward_seconds, mt);
+    f.backward_seconds = fit_line(m1, s.backward_seconds, m2, l.backward_seconds, mt);
+    f.output_bytes = fit_bytes(m1, s.output_bytes, m2, l.output_bytes, m);
+    f.output_kept = l.output_kept;
+    f.param_bytes = s.param_bytes;
+    f.cast_bytes = s.cast_bytes;
+    // Bytes inside blocks are calibrated against the whole chain's measured peak.
+    f.kept_bytes = calibrated(fit_bytes(m1, s.kept_bytes, m2, l.kept_bytes, m), p.calibration);
+    f.forward_peak = calibrated(fit_bytes(m1, s.forward_peak, m2, l.forward_peak, m), p.calibration);
+    f.forward_nograd_peak = calibrated(fit_bytes(m1, s.forward_nograd_peak, m2, l.forward_nograd_peak, m), p.calibration);
+    f.backward_peak = calibrated(fit_bytes(m1, s.backward_peak, m2, l.backward_peak, m), p.calibration);
+    c.blocks.push_back(f);
+  }
+  return c;
+}
+
+double fit_line(int64_t m1, double v1, int64_t m2, double v2, int64_t m) {
+  if (m2 == m1) return v1;
+  const double slope = (v2 - v1) / static_cast<double>(m2 - m1);
+  return std::max(0.0, v1 + slope * static_cast<double>(m - m1));
+}
+
+int64_t fit_bytes(int64_t m1, int64_t v1, int64_t m2, int64_t v2, int64_t m) {
+  return static_cast<int64_t>(std::llround(fit_line(m1, static_cast<double>(v1), m2, static_cast<double>(v2), m)));
+}
+
+int64_t calibrated(int64_t bytes, double calibration) {
+  return static_cast<int64_t>(std::llround(static_cast<double>(bytes) * calibration));
+}
+
+OptimizerCost measure_optimizer(const OptimizerSpec& spec, const std::vector<at::Tensor>& params, MemoryTracker& tracker) {
+  OptimizerCost cost;
+  if (params.empty()) return cost;
+  std::vector<at::Tensor> saved;
+  {
+    at::NoGradGuard no_grad;
+    for (const auto& p : params) saved.push_back(p.detach().clone());
+    for (auto p : params) p.mutable_grad() = at::zeros_like(p);
+  }
+  {
+    const int64_t before = tracker.current();
+    auto optimizer = make_optimizer(spec, params);
+    optimizer->step();  // makes the state
+    cost.state_bytes = tracker.current() - before;
+    const int64_t steady = tracker.current();
+    tracker.reset_peak();
+    optimizer->step();
+    cost.step_bytes = std::max<int64_t>(0, tracker.peak() - steady);
+  }
+  at::NoGradGuard no_grad;
+  for (size_t i = 0; i < params.size(); ++i) params[i].detach().copy_(saved[i]);
+  zero_grad(params, true);
+  return cost;
+}
+
+}  // namespace memfit

@@ -1,0 +1,194 @@
+#include "memfit/runtime/optimizer.h"
+
+#include <torch/optim.h>
+
+#include <cmath>
+#include <sstream>
+
+#include "memfit/errors.h"
+
+namespace memfit {
+namespace {
+
+using namespace torch::optim;
+
+struct FamilyName {
+  OptimizerFamily family;
+  const char* name;
+};
+constexpr FamilyName kFamilies[] = {{OptimizerFamily::kAdamW, "adamw"},
+                                    {OptimizerFamily::kAdam, "adam"},
+                                    {OptimizerFamily::kSGD, "sgd"},
+                                    {OptimizerFamily::kRMSprop, "rmsprop"},
+                                    {OptimizerFamily::kAdagrad, "adagrad"}};
+
+bool uses_momentum(OptimizerFamily f) { return f == OptimizerFamily::kSGD || f == OptimizerFamily::kRMSprop; }
+bool uses_betas(OptimizerFamily f) { return f == OptimizerFamily::kAdamW || f == OptimizerFamily::kAdam; }
+
+// Adam and AdamW keep the same three tensors.
+template <class State>
+ParamStateRecord read_adam_like(const State& s) {
+  return {s.step(), {s.exp_avg(), s.exp_avg_sq(), s.max_exp_avg_sq()}};
+}
+template <class State>
+std::unique_ptr<State> make_adam_like(const ParamStateRecord& r) {
+  auto s = std::make_unique<State>();
+  s->step(r.step);
+  s->exp_avg(r.tensors.at(0));
+  s->exp_avg_sq(r.tensors.at(1));
+  s->max_exp_avg_sq(r.tensors.at(2));
+  return s;
+}
+
+}  // namespace
+
+OptimizerFamily parse_optimizer_family(const std::string& text) {
+  for (const auto& f : kFamilies) {
+    if (text == f.name) return f.family;
+  }
+  throw OptionError("optimizer", "'" + text + "'", "expected adamw, adam, sgd, rmsprop or adagrad");
+}
+
+const char* optimizer_family_name(OptimizerFamily family) {
+  for (const auto& f : kFamilies) {
+    if (family == f.family) return f.name;
+  }
+  return "?";
+}
+
+double OptimizerSpec::effective_weight_decay() const {
+  if (weight_decay) return *weight_decay;
+  return family == OptimizerFamily::kAdamW ? 1e-2 : 0.0;  // torch::optim's defaults
+}
+
+std::string OptimizerSpec::describe() const {
+  static const char* const display[] = {"AdamW", "Adam", "SGD", "RMSprop", "Adagrad"};
+  std::ostringstream out;
+  out << display[static_cast<int>(family)] << " lr " << lr;
+  if (uses_betas(family)) out << ", betas " << beta1 << "/" << beta2;
+  if (uses_momentum(family)) out << ", momentum " << momentum;
+  out << ", weight decay " << effective_weight_decay();
+  return out.str();
+}
+
+void check_optimizer_spec(const OptimizerSpec& s) {
+  const std::string family = optimizer_family_name(s.family);
+  check_option(std::isfinite(s.lr) && s.lr > 0, "optimizer.lr", s.lr, "expected a finite number > 0");
+  check_option(std::isfinite(s.momentum) && s.momentum >= 0 && s.momentum < 1, "optimizer.momentum", s.momentum,
+               "expected 0 <= momentum < 1");
+  check_option(s.momentum == 0 || uses_momentum(s.family), "optimizer.momentum", s.momentum,
+               "momentum applies to sgd and rmsprop, not " + family);
+  const double wd = s.effective_weight_decay();
+  check_option(std::isfinite(wd) && wd >= 0, "optimizer.weight_decay", wd, "expected a finite number >= 0");
+  for (double beta : {s.beta1, s.beta2}) {
+    check_option(std::isfinite(beta) && beta >= 0 && beta < 1, "optimizer.betas", beta, "expected 0 <= beta < 1");
+  }
+  check_option(uses_betas(s.family) || (s.beta1 == 0.9 && s.beta2 == 0.999), "optimizer.betas",
+               std::to_string(s.beta1) + "," + std::to_string(s.beta2), "betas apply to adam and adamw, not " + family);
+}
+
+std::unique_ptr<Optimizer> make_optimizer(const OptimizerSpec& s, std::vector<at::Tensor> params) {
+  check_optimizer_spec(s);
+  const double wd = s.effective_weight_decay();
+  switch (s.family) {
+    case OptimizerFamily::kAdamW:
+      return std::make_unique<AdamW>(params, AdamWOptions(s.lr).betas({s.beta1, s.beta2}).weight_decay(wd));
+    case OptimizerFamily::kAdam:
+      return std::make_unique<Adam>(params, AdamOptions(s.lr).betas({s.beta1, s.beta2}).weight_decay(wd));
+    case OptimizerFamily::kSGD:
+      return std::make_unique<SGD>(params, SGDOptions(s.lr).momentum(s.momentum).weight_decay(wd));
+    case OptimizerFamily::kRMSprop:
+      return std::make_unique<RMSprop>(params, RMSpropOptions(s.lr).momentum(s.momentum).weight_decay(wd));
+    case OptimizerFamily::kAdagrad:
+      return std::make_unique<Adagrad>(params, AdagradOptions(s.lr).weight_decay(wd));
+  }
+  TORCH_CHECK(false, "memfit::make_optimizer: unknown optimizer family");
+}
+
+nlohmann::json optimizer_spec_json(const OptimizerSpec& s) {
+  return {{"family", optimizer_family_name(s.family)},
+          {"lr", s.lr},
+          {"momentum", s.momentum},
+          {"weight_decay", s.effective_weight_decay()},
+          {"betas", {s.beta1, s.beta2}}};
+}
+
+OptimizerSpec optimizer_spec_from_json(const nlohmann::json& j) {
+  OptimizerSpec s;
+  s.family = parse_optimizer_family(j.at("family").get<std::string>());
+  s.lr = j.at("lr").get<double>();
+  s.momentum = j.at("momentum").get<double>();
+  s.weight_decay = j.at("weight_decay").get<double>();
+  s.beta1 = j.at("betas").at(0).get<double>();
+  s.beta2 = j.at("betas").at(1).get<double>();
+  check_optimizer_spec(s);
+  return s;
+}
+
+ParamStateRecord read_param_state(const OptimizerParamState& state) {
+  if (const auto* s = dynamic_cast<const AdamWParamState*>(&state)) return read_adam_like(*s);
+  if (const auto* s = dynamic_cast<const AdamParamState*>(&state)) return read_adam_like(*s);
+  if (const auto* s = dynamic_cast<const SGDParamState*>(&state)) return {0, {s->momentum_buffer()}};
+  if (const auto* s = dynamic_cast<const RMSpropParamState*>(&state)) {
+    return {s->step(), {s->square_avg(), s->momentum_buffer(), s->grad_avg()}};
+  }
+  if (const auto* s = dynamic_cast<const AdagradParamState*>(&state)) return {s->step(), {s->sum()}};
+  TORCH_CHECK(false, "memfit: optimizer state of an unknown family (expected AdamW, Adam, SGD, RMSprop or Adagrad)");
+}
+
+size_t param_state_slots(OptimizerFamily family) {
+  switch (family) {
+    case OptimizerFamily::kAdamW:
+    case OptimizerFamily::kAdam:
+    case OptimizerFamily::kRMSprop: return 3;
+    case OptimizerFamily::kSGD:
+    case OptimizerFamily::kAdagrad: return 1;
+  }
+  return 0;
+}
+
+std::unique_ptr<OptimizerParamState> make_param_state(OptimizerFamily family, const ParamStateRecord& r) {
+  TORCH_CHECK(r.tensors.size() == param_state_slots(family), "memfit::make_param_state: ",
+              optimizer_family_name(family), " keeps ", param_state_slots(family), " tensors, got ", r.tensors.size());
+  switch (family) {
+    case OptimizerFamily::kAdamW: return make_adam_like<AdamWParamState>(r);
+    case OptimizerFamily::kAdam: return make_adam_like<AdamParamState>(r);
+    case OptimizerFamily::kSGD: {
+      auto s = std::make_unique<SGDParamState>();
+      s->momentum_buffer(r.tensors[0]);
+      return s;
+    }
+    case OptimizerFamily::kRMSprop: {
+      auto s = std::make_unique<RMSpropParamState>();
+      s->step(r.step);
+      s->square_avg(r.tensors[0]);
+      s->momentum_buffer(r.tensors[1]);
+      s->grad_avg(r.tensors[2]);
+      return s;
+    }
+    case OptimizerFamily::kAdagrad: {
+      auto s = std::make_unique<AdagradParamState>();
+      s->step(r.step);
+      s->sum(r.tensors[0]);
+      return s;
+    }
+  }
+  TORCH_CHECK(false, "memfit::make_param_state: unknown optimizer family");
+}
+
+std::vector<at::Tensor> optimizer_state_tensors(const Optimizer& optimizer) {
+  std::vector<at::Tensor> out;
+  for (const auto& entry : optimizer.state()) {
+    for (auto& t : read_param_state(*entry.second).tensors) {
+      if (t.defined()) out.push_back(std::move(t));
+    }
+  }
+  return out;
+}
+
+std::string param_state_key(const at::Tensor& parameter) {
+  // torch::optim keys its state by the address of the parameter's TensorImpl, as text.
+  return c10::guts::to_string(parameter.unsafeGetTensorImpl());
+}
+
+}  // namespace memfit

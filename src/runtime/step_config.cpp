@@ -1,0 +1,52 @@
+#include "memfit/runtime/step_config.h"
+
+#include "memfit/errors.h"
+
+namespace memfit {
+
+std::string StepConfig::describe() const {
+  return "micro-batch " + std::to_string(micro_batch_size()) + " x " + std::to_string(accumulation()) + ", " +
+         precision_name(precision) + ", recompute " + checkpoint.describe();
+}
+
+void check_step_config(const StepConfig& c, int blocks) {
+  check_option(c.batch >= 1, "batch", c.batch, "expected a positive integer");
+  check_option(c.micro_batch >= 0 && c.micro_batch <= c.batch, "micro_batch", c.micro_batch,
+               "expected 0 (the whole batch) or 1 to batch (" + std::to_string(c.batch) + ")");
+  int next = 0;
+  for (const auto& [first, last] : c.checkpoint.segments) {
+    check_option(first >= next && last >= first && last < blocks, "checkpoint", c.checkpoint.describe(),
+                 "expected sorted, disjoint segments inside blocks 0 to " + std::to_string(blocks - 1));
+    next = last + 1;
+  }
+  std::string why;
+  check_option(precision_supported(c.precision, c.device.type(), &why), "precision", precision_name(c.precision), why);
+  check_optimizer_spec(c.optimizer);
+}
+
+nlohmann::json step_config_json(const StepConfig& c) {
+  return {{"device", c.device.str()},
+          {"batch", c.batch},
+          {"micro_batch", c.micro_batch_size()},
+          {"accumulation", c.accumulation()},
+          {"precision", precision_name(c.precision)},
+          {"segments", c.checkpoint.segments},
+          {"recomputed_blocks", c.checkpoint.recomputed_blocks()},
+          {"set_to_none", c.set_to_none},
+          {"optimizer", optimizer_spec_json(c.optimizer)}};
+}
+
+StepConfig step_config_from_json(const nlohmann::json& j, int blocks) {
+  StepConfig c;
+  c.device = c10::Device(j.at("device").get<std::string>());
+  c.batch = j.at("batch").get<int64_t>();
+  c.micro_batch = j.at("micro_batch").get<int64_t>();
+  c.precision = parse_precision(j.at("precision").get<std::string>());
+  c.checkpoint.segments = j.at("segments").get<std::vector<std::pair<int, int>>>();
+  c.set_to_none = j.at("set_to_none").get<bool>();
+  c.optimizer = optimizer_spec_from_json(j.at("optimizer"));
+  check_step_config(c, blocks);
+  return c;
+}
+
+}  // namespace memfit

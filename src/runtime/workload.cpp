@@ -1,0 +1,28 @@
+#include "memfit/runtime/workload.h"
+
+#include <torch/nn/module.h>
+
+#include "memfit/errors.h"
+
+namespace memfit {
+
+void check_workload(const Workload& w) {
+  check_option(w.chain != nullptr && w.chain->size() >= 1, "workload.chain", w.chain ? w.chain->size() : 0,
+               "expected a Chain of at least one block");
+  check_option(w.data != nullptr, "workload.data", "(none)", "expected a Dataset");
+  check_option(static_cast<bool>(w.loss), "workload.loss", "(none)", "expected a loss function");
+}
+
+int64_t parameter_count(const torch::nn::Module& module) {
+  int64_t n = 0;
+  for (const auto& p : module.parameters()) n += p.numel();
+  return n;
+}
+
+int64_t parameter_bytes(const torch::nn::Module& module) {
+  int64_t n = 0;
+  for (const auto& p : module.parameters()) n += static_cast<int64_t>(p.storage().nbytes());
+  return n;
+}
+
+}  // namespace memfit

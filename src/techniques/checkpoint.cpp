@@ -1,0 +1,91 @@
+#include "memfit/techniques/checkpoint.h"
+
+#include <torch/autograd.h>
+#include <torch/csrc/autograd/custom_function.h>
+#include <torch/utils.h>
+
+#include "memfit/compat.h"
+#include "memfit/measure/memory_tracker.h"
+#include "memfit/techniques/autocast.h"
+#include "memfit/techniques/rng.h"
+
+namespace memfit {
+namespace {
+
+// What the recompute needs besides the saved input: the block, and the random and autocast
+// state the forward ran with.
+struct CheckpointState : torch::CustomClassHolder {
+  BlockFn block;
+  RngState rng;  // CPU's, and the input's CUDA device's when it lives there
+  AutocastState autocast;
+  std::vector<at::Tensor> params;  // the parameters themselves (leaves: no copy is made)
+};
+
+class CheckpointFunction : public torch::autograd::Function<CheckpointFunction> {
+ public:
+  // Runs without grad (Function::apply disables it): only `input` is saved.
+  static at::Tensor forward(torch::autograd::AutogradContext* ctx, at::Tensor input,
+                            at::TensorList params, c10::intrusive_ptr<CheckpointState> state) {
+    (void)params;
+    ctx->save_for_backward({input});
+    ctx->saved_data["state"] = c10::IValue::make_capsule(state);
+    return state->block(input);
+  }
+
+  static torch::autograd::variable_list backward(torch::autograd::AutogradContext* ctx,
+                                                 torch::autograd::variable_list grad_outputs) {
+    const at::Tensor input = ctx->get_saved_variables()[0];
+    auto state = c10::static_intrusive_pointer_cast<CheckpointState>(
+        ctx->saved_data["state"].toCapsule());
+    const std::vector<at::Tensor>& params = state->params;
+
+    at::Tensor x = input.detach();
+    x.requires_grad_(input.requires_grad());
+    at::Tensor y;
+    {
+      torch::AutoGradMode grad_on(true);
+      PhaseGuard recompute(Phase::kRecompute);
+      RngStateGuard rng(state->rng);
+      Autocast cpu_autocast(c10::kCPU, state->autocast.cpu_dtype, state->autocast.cpu_enabled);
+      Autocast cuda_autocast(c10::kCUDA, state->autocast.cuda_dtype, state->autocast.cuda_enabled);
+      y = state->block(x);
+    }
+
+    // Differentiate the recomputed graph w.r.t. the input and the parameters.
+    std::vector<at::Tensor> wrt;
+    if (x.requires_grad()) wrt.push_back(x);
+    for (const at::Tensor& p : params) {
+      if (p.requires_grad()) wrt.push_back(p);
+    }
+    std::vector<at::Tensor> grads;
+    if (!wrt.empty() && y.requires_grad()) {
+      grads = torch::autograd::grad({y}, wrt, {grad_outputs[0]}, /*retain_graph=*/false,
+                                    /*create_graph=*/false, /*allow_unused=*/true);
+    } else {
+      grads.assign(wrt.size(), at::Tensor());
+    }
+
+    // One gradient per forward argument: input, each parameter, and the (non-tensor) state.
+    torch::autograd::variable_list out;
+    size_t next = 0;
+    out.push_back(x.requires_grad() ? grads[next++] : at::Tensor());
+    for (const at::Tensor& p : params) out.push_back(p.requires_grad() ? grads[next++] : at::Tensor());
+    out.push_back(at::Tensor());
+    return out;
+  }
+};
+
+}  // namespace
+
+at::Tensor checkpoint(BlockFn block, const at::Tensor& input, at::TensorList params) {
+  if (!at::GradMode::is_enabled()) return block(input);  // nothing to save in evaluation
+
+  auto state = c10::make_intrusive<CheckpointState>();
+  state->block = std::move(block);
+  state->rng = capture_rng(input.device());
+  state->autocast = AutocastState::capture();
+  state->params = params.vec();
+  return CheckpointFunction::apply(input, params, state);
+}
+
+}  // namespace memfit

@@ -1,0 +1,72 @@
+#include "memfit/train/oom_recovery.h"
+
+#include <ostream>
+#include <stdexcept>
+
+#include "memfit/measure/budget_allocator.h"
+
+namespace memfit {
+
+SplitRecovery::SplitRecovery(int64_t local_batch, int64_t global_batch, int blocks, std::ostream& out, bool tty)
+    : local_batch_(local_batch), global_batch_(global_batch), blocks_(blocks), out_(out), tty_(tty) {}
+
+void SplitRecovery::begin_step(int64_t step, const CheckpointPlan& planned, const std::string& budget_text) {
+  step_ = step;
+  plan_recomputes_all_ = planned.recomputed_blocks().size() >= static_cast<size_t>(blocks_);
+  budget_text_ = budget_text;
+  real_oom_ = false;
+}
+
+std::vector<MicroBatch> SplitRecovery::split(int64_t m) const {
+  auto parts = split_batch(local_batch_, m);
+  for (auto& part : parts) part.weight = static_cast<double>(part.length) / static_cast<double>(global_batch_);
+  return parts;
+}
+
+OomDecision SplitRecovery::restart(int64_t m, bool recompute_all) const {
+  OomDecision d;
+  d.restart_step = true;
+  for (const auto& part : split(m)) d.next.push_back({part, recompute_all});
+  return d;
+}
+
+void SplitRecovery::give_up(const c10::OutOfMemoryError& error) const {
+  throw std::runtime_error("out of memory in step " + std::to_string(step_) +
+                           " even with micro-batch 1 and every block recomputed: budget " + budget_text_ +
+                           " is too small for this model (" + error.what_without_backtrace() + ")");
+}
+
+OomDecision SplitRecovery::on_out_of_memory(const PendingMicroBatch& failed, bool partial_sums,
+                                            const c10::OutOfMemoryError& error) {
+  if (auto* alloc = BudgetAllocator::installed()) alloc->fail_allocation_after(0);  // an injected failure fires once
+  ++recoveries_;
+  const bool injected = std::string(error.what()).find("(injected)") != std::string::npos;
+  real_oom_ = real_oom_ || !injected;
+  const std::string what = std::string(tty_ ? "\n" : "") + (injected ? "out of memory (injected)" : "out of memory") +
+                           " in step " + std::to_string(step_);
+  const int64_t length = failed.part.length;
+  if (partial_sums) {
+    // Partial sums over earlier micro-batches cannot be taken back exactly: redo the step.
+    if (!failed.recompute_all) {
+      out_ << what << " after gradients were accumulated: redoing the step, recomputing every block\n";
+      return restart(length, true);
+    }
+    if (length < 2) give_up(error);
+    out_ << what << " after gradients were accumulated: redoing the step with micro-batch " << length / 2 << "\n";
+    return restart(length / 2, false);
+  }
+  OomDecision d;
+  if (!failed.recompute_all && !plan_recomputes_all_) {
+    out_ << what << ": redoing the micro-batch of " << length << " samples with every block recomputed\n";
+    d.next.push_back({failed.part, true});
+    return d;
+  }
+  if (length < 2) give_up(error);
+  const auto halves = split_in_two(failed.part, global_batch_);
+  out_ << what << ": micro-batch of " << length << " samples split into " << halves[0].length << " + "
+       << halves[1].length << "\n";
+  d.next = {{halves[0], false}, {halves[1], false}};
+  return d;
+}
+
+}  // namespace memfit

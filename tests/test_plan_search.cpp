@@ -1,0 +1,179 @@
+// The planner's search on costs written by hand: no model runs, so every expectation follows
+// from the numbers below.
+#include <gtest/gtest.h>
+
+#include <algorithm>
+
+#include "memfit/memfit.h"
+
+namespace memfit {
+namespace {
+
+// A block whose bytes grow linearly with the micro-batch m: `act` bytes kept per sample.
+BlockCost block_at(int64_t m, int64_t act, double seconds_per_sample, int64_t params) {
+  BlockCost c;
+  c.forward_seconds = seconds_per_sample * static_cast<double>(m);
+  c.backward_seconds = 2 * c.forward_seconds;
+  c.output_bytes = 1000 * m;
+  c.output_kept = true;
+  c.kept_bytes = act * m + c.output_bytes;
+  c.forward_peak = act * m + c.output_bytes;
+  c.forward_nograd_peak = 2 * c.output_bytes;
+  c.backward_peak = act * m + params;
+  c.param_bytes = params;
+  return c;
+}
+
+// Four blocks, the second heavy in activations; profiled at m = 2 and 4 of a batch of 8.
+PrecisionProfile hand_profile(Precision precision, double time_scale) {
+  PrecisionProfile p;
+  p.precision = precision;
+  const int64_t acts[] = {20000, 200000, 50000, 10000};
+  for (int64_t m : {2, 4}) {
+    ChainProfile& cp = m == 2 ? p.small : p.large;
+    cp.micro_batch = m;
+    for (int64_t a : acts) cp.blocks.push_back(block_at(m, a, 0.001 * time_scale, 40000));
+  }
+  p.chain_seconds_small = 0.03 * time_scale;  // 3 x forward (fwd + 2 x bwd) x 4 blocks x 2 samples...
+  p.chain_seconds_large = 0.05 * time_scale;  // ...with a fixed cost per micro-batch
+  p.chain_seconds_full = 0.09 * time_scale;
+  return p;
+}
+
+WorkloadProfile hand_workload() {
+  WorkloadProfile w;
+  w.batch = 8;
+  w.weight_bytes = 4 * 40000;
+  w.batch_bytes = 8 * 100;
+  w.segment_overhead_bytes = 5056;
+  w.precisions.push_back(hand_profile(Precision::kFP32, 1.0));
+  return w;
+}
+
+PlanRequest hand_request() {
+  PlanRequest r;
+  r.step.batch = 8;
+  r.optimizer.state_bytes = 2 * 4 * 40000;  // as AdamW would keep
+  r.optimizer.step_bytes = 2 * 40000;
+  return r;
+}
+
+// Every schedule of n blocks: each way to cut the chain into plain blocks and segments.
+std::vector<std::vector<std::pair<int, int>>> all_schedules(int n) {
+  std::vector<std::vector<std::pair<int, int>>> out{{}};
+  for (int first = n - 1; first >= 0; --first) {
+    std::vector<std::vector<std::pair<int, int>>> more;
+    for (const auto& rest : out) {
+      const int next = rest.empty() ? n : rest.front().first;
+      for (int last = first; last < next; ++last) {
+        auto s = rest;
+        s.insert(s.begin(), {first, last});
+        more.push_back(s);
+      }
+    }
+    out.insert(out.end(), more.begin(), more.end());
+  }
+  return out;
+}
+
+TEST(PlanSearchTest, AmpleBudgetRunsThePlainStep) {
+  const Planner planner(hand_workload(), hand_request());
+  const Plan p = planner.plan(int64_t{1} << 40);
+  ASSERT_TRUE(p.feasible);
+  EXPECT_EQ(p.config.micro_batch_size(), 8);
+  EXPECT_TRUE(p.config.checkpoint.empty());
+  EXPECT_EQ(p.predicted_peak, p.plain_predicted_peak);
+}
+
+TEST(PlanSearchTest, ChosenPlanIsTheFastestThatFitsAmongAllSchedulesAndSizes) {
+  const Planner planner(hand_workload(), hand_request());
+  const Plan plain = planner.plan(int64_t{1} << 40);
+  for (double share : {0.9, 0.7, 0.5, 0.35}) {
+    const auto budget = static_cast<int64_t>(share * static_cast<double>(plain.plain_predicted_peak));
+    const Plan p = planner.plan(budget);
+    if (!p.feasible) {
+      EXPECT_GT(p.floor_bytes, budget);
+      continue;
+    }
+    EXPECT_LE(p.predicted_peak, budget) << share;
+    for (int64_t m : {8, 4, 2, 1}) {
+      for (const auto& s : all_schedules(4)) {
+        const Plan other = planner.evaluate(m, Precision::kFP32, CheckpointPlan{s}, budget);
+        if (!other.feasible) continue;
+        // The DP rounds memory to slots, so a rival may fit by a hair more: 1% of time slack.
+        EXPECT_LE(p.predicted_seconds, other.predicted_seconds * 1.01)
+            << share << ": m=" << m << " " << CheckpointPlan{s}.describe() << " beats " << p.config.describe();
+      }
+    }
+  }
+}
+
+TEST(PlanSearchTest, FloorIsTheSmallestBudgetThatPlans) {
+  const Planner planner(hand_workload(), hand_request());
+  const int64_t floor = planner.floor_bytes();
+  EXPECT_TRUE(planner.plan(floor + floor / 200).feasible);
+  const Plan below = planner.plan(floor - floor / 50);
+  EXPECT_FALSE(below.feasible);
+  EXPECT_EQ(below.floor_bytes, floor);
+  ASSERT_FALSE(below.notes.empty());
+  EXPECT_NE(below.notes.back().find(std::to_string(floor)), std::string::npos);
+}
+
+TEST(PlanSearchTest, OptimizerStateIsCountedAsGiven) {
+  PlanRequest light = hand_request();
+  light.optimizer = {};  // plain SGD: no state, no temporaries
+  const Planner adamw(hand_workload(), hand_request());
+  const Planner sgd(hand_workload(), light);
+  const Plan a = adamw.evaluate(8, Precision::kFP32, {}, int64_t{1} << 40);
+  const Plan b = sgd.evaluate(8, Precision::kFP32, {}, int64_t{1} << 40);
+  EXPECT_EQ(a.predicted_peak - b.predicted_peak, hand_request().optimizer.state_bytes);
+  EXPECT_LT(sgd.floor_bytes(), adamw.floor_bytes());
+}
+
+TEST(PlanSearchTest, FasterMixedPrecisionIsChosenAndSaysWhy) {
+  WorkloadProfile w = hand_workload();
+  w.precisions.push_back(hand_profile(Precision::kBF16, 0.5));
+  const Planner planner(w, hand_request());
+  const Plan p = planner.plan(int64_t{1} << 40);
+  ASSERT_TRUE(p.feasible);
+  EXPECT_EQ(p.config.precision, Precision::kBF16);
+  EXPECT_EQ(p.baseline_precision, Precision::kFP32);
+  const bool said = std::any_of(p.notes.begin(), p.notes.end(),
+                                [](const std::string& n) { return n.find("bf16 chosen") != std::string::npos; });
+  EXPECT_TRUE(said);
+}
+
+TEST(PlanSearchTest, PinnedMicroBatchAndScheduleAreKept) {
+  PlanRequest r = hand_request();
+  r.step.micro_batch = 2;
+  r.checkpoint = CheckpointPlan::of_blocks({1}, 4);
+  const Planner planner(hand_workload(), r);
+  const Plan p = planner.plan(int64_t{1} << 40);
+  ASSERT_TRUE(p.feasible);
+  EXPECT_EQ(p.config.micro_batch, 2);
+  EXPECT_EQ(p.config.checkpoint.describe(), "1");
+  EXPECT_TRUE(p.checkpoint_pinned);
+}
+
+TEST(PlanSearchTest, PlanJsonRoundTrips) {
+  PlanRequest r = hand_request();
+  r.checkpoint = CheckpointPlan::of_blocks({1, 2}, 4);
+  const Planner planner(hand_workload(), r);
+  const Plan p = planner.plan(int64_t{1} << 40);
+  ASSERT_TRUE(p.feasible);
+  const Plan back = plan_from_json(nlohmann::json::parse(plan_json(p).dump()), 4);
+  EXPECT_EQ(plan_json(back), plan_json(p));
+  EXPECT_EQ(back.config.checkpoint.segments, p.config.checkpoint.segments);
+  EXPECT_EQ(back.config.micro_batch, p.config.micro_batch);
+  // A config that does not fit the chain is refused on reading.
+  EXPECT_THROW(plan_from_json(plan_json(p), 1), OptionError);
+}
+
+TEST(PlanSearchTest, BatchMustMatchTheProfile) {
+  PlanRequest r = hand_request();
+  r.step.batch = 16;
+  EXPECT_THROW(Planner(hand_workload(), r), OptionError);
+}
+
+}  // namespace
+}  // namespace memfit

@@ -1,0 +1,130 @@
+// The Trainer driven from C++ on a user's own model, data and loss (no built-in workload): it
+// trains under the budget with any optimizer family, its parts run one by one, resume is exact.
+#include "test_util.h"
+
+#include <unistd.h>
+
+#include <filesystem>
+#include <sstream>
+
+namespace memfit {
+namespace {
+
+// y = a noisy linear map of x at each of 64 positions: a regression a small MLP learns
+// quickly, whose activations (64 positions x 256 wide per sample) outweigh its weights, so that
+// the budget decides the plan. The data tensors themselves count against the budget.
+Workload user_workload(uint64_t seed) {
+  torch::manual_seed(seed);
+  const at::Tensor x = torch::randn({512, 64, 32});
+  const at::Tensor y = x.matmul(torch::randn({32, 4})) + 0.01 * torch::randn({512, 64, 4});
+  Workload w;
+  w.name = "user-mlp";
+  w.description = "a user's MLP on a regression";
+  w.chain = std::make_shared<Chain>();
+  w.chain->add("in", torch::nn::Sequential(torch::nn::Linear(32, 256), torch::nn::ReLU()).ptr());
+  w.chain->add("hidden", torch::nn::Sequential(torch::nn::Linear(256, 256), torch::nn::ReLU()).ptr());
+  w.chain->add("out", torch::nn::Linear(256, 4).ptr());
+  w.data = std::make_shared<TensorDataset>(x, y, "regression");
+  w.loss = [](const at::Tensor& out, const at::Tensor& target) { return torch::mse_loss(out, target); };
+  w.seed = seed;
+  return w;
+}
+
+TrainOptions small_options(OptimizerFamily family, double momentum) {
+  TrainOptions o;
+  o.batch = 32;
+  o.steps = 12;
+  o.precision = "fp32";
+  o.optimizer.family = family;
+  o.optimizer.momentum = momentum;
+  o.optimizer.lr = family == OptimizerFamily::kSGD ? 0.02 : 3e-3;
+  o.eval_every = 0;
+  o.progress = false;
+  o.report_html.clear();
+  return o;
+}
+
+TEST(TrainerTest, UserModelTrainsUnderItsDefaultBudgetWithEveryFamily) {
+  test::use_memfit_allocator();
+  for (auto [family, momentum] : {std::pair{OptimizerFamily::kAdamW, 0.0}, std::pair{OptimizerFamily::kSGD, 0.9},
+                                  std::pair{OptimizerFamily::kAdam, 0.0}, std::pair{OptimizerFamily::kRMSprop, 0.0}}) {
+    Workload w = user_workload(1);
+    std::ostringstream out;
+    const TrainSummary s = train(w, small_options(family, momentum), out);
+    const std::string name = optimizer_family_name(family);
+    EXPECT_LE(s.peak_bytes, s.budget_bytes) << name;
+    EXPECT_LT(s.plan.predicted_peak, s.plan.plain_predicted_peak) << name << ": the default budget makes the plan matter";
+    EXPECT_LT(s.losses.back(), s.losses.front()) << name;
+    EXPECT_EQ(s.plan.config.optimizer.family, family);
+    // The plan counted this optimizer's state: its prediction holds within 5% of the run.
+    const double error = std::abs(static_cast<double>(s.plan.predicted_peak - s.peak_bytes)) / static_cast<double>(s.peak_bytes);
+    EXPECT_LE(error, 0.05) << name << ": predicted " << s.plan.predicted_peak << ", measured " << s.peak_bytes;
+    const int64_t weights = parameter_bytes(*w.chain);
+    const int64_t expected_state = family == OptimizerFamily::kSGD ? weights : family == OptimizerFamily::kRMSprop ? weights : 2 * weights;
+    EXPECT_EQ(s.ranks.at(0).bytes.optimizer_state, expected_state) << name;
+  }
+}
+
+TEST(TrainerTest, PartsRunOneByOneAndResumeIsExact) {
+  test::use_memfit_allocator();
+  const auto dir = std::filesystem::temp_directory_path() / ("memfit-trainer-" + std::to_string(::getpid()));
+  std::filesystem::remove_all(dir);
+  TrainOptions o = small_options(OptimizerFamily::kSGD, 0.9);
+  o.budget_bytes = 64 << 20;
+  o.steps = 6;
+  std::ostringstream out;
+
+  Workload straight_w = user_workload(2);
+  const TrainSummary straight = train(straight_w, o, out);
+
+  Workload first_w = user_workload(2);
+  TrainOptions first_half = o;
+  first_half.steps = 3;
+  first_half.save_dir = dir.string();
+  Trainer first(first_w, first_half, out);
+  first.set_up();
+  const Plan& plan = first.plan();
+  EXPECT_TRUE(plan.feasible);
+  for (int64_t step = 1; step <= 3; ++step) EXPECT_TRUE(std::isfinite(first.step(step)));
+  EXPECT_GT(first.evaluate(), 0.0);
+  first.summarize();
+
+  Workload resumed_w = user_workload(2);
+  TrainOptions second_half = o;
+  second_half.resume_dir = dir.string();
+  const TrainSummary resumed = train(resumed_w, second_half, out);
+  EXPECT_EQ(resumed.losses.size(), 3u);
+  EXPECT_EQ(resumed.weights_sha256, straight.weights_sha256);
+  EXPECT_EQ(resumed.final_loss, straight.final_loss);
+  std::filesystem::remove_all(dir);
+}
+
+TEST(TrainerTest, BadOptionsAreNamedBeforeAnyWork) {
+  test::use_memfit_allocator();
+  Workload w = user_workload(3);
+  auto option_of = [&](TrainOptions o) {
+    try {
+      check_train_options(o, w);
+    } catch (const OptionError& e) {
+      return e.option();
+    }
+    return std::string("(accepted)");
+  };
+  TrainOptions o = small_options(OptimizerFamily::kAdamW, 0);
+  EXPECT_EQ(option_of(o), "(accepted)");
+  TrainOptions bad = o;
+  bad.micro_batch = 33;
+  EXPECT_EQ(option_of(bad), "micro_batch");
+  bad = o;
+  bad.inject_oom = {13};
+  EXPECT_EQ(option_of(bad), "inject_oom");
+  bad = o;
+  bad.optimizer.lr = -1;
+  EXPECT_EQ(option_of(bad), "optimizer.lr");
+  bad = o;
+  bad.eval_batches = 0;
+  EXPECT_EQ(option_of(bad), "eval_batches");
+}
+
+}  // namespace
+}  // namespace memfit
