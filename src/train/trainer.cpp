@@ -76,7 +76,6 @@ TrainerState::TrainerState(Workload& workload, TrainOptions options, std::ostrea
     o.dump_weights.clear();
   }
   tty = o.progress && isatty(fileno(stdout));
-  local = rank_slice(o.batch, o.distributed.rank, o.distributed.world_size);
 }
 
 StepOptions TrainerState::step_options() {
@@ -96,6 +95,7 @@ torch::optim::Optimizer& Trainer::optimizer() { return *impl_->optimizer; }
 void Trainer::set_up() {
   TrainerState& t = *impl_;
   check_train_options(t.o, t.w);
+  t.local = rank_slice(t.o.batch, t.o.distributed.rank, t.o.distributed.world_size);
   t.alloc = &BudgetAllocator::install();
   t.tracker = std::make_shared<MemoryTracker>();
   t.scope = std::make_unique<TrackerScope>(t.tracker);
