@@ -46,4 +46,5 @@
 #include "memfit/train/distributed.h"
 #include "memfit/train/oom_recovery.h"
 #include "memfit/train/saved_state.h"
+#include "memfit/train/stop_signal.h"
 #include "memfit/train/trainer.h"

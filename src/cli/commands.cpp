@@ -112,26 +112,6 @@ double seconds_since(std::chrono::steady_clock::time_point t0) {
   return std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
 }
 
-std::vector<int64_t> parse_step_list(const std::string& text) {
-  std::vector<int64_t> steps;
-  std::stringstream in(text);
-  std::string item;
-  while (std::getline(in, item, ',')) {
-    size_t used = 0;
-    long long v = -1;
-    try {
-      v = std::stoll(item, &used);
-    } catch (const std::exception&) {
-      used = 0;
-    }
-    if (item.empty() || used != item.size() || v < 1) {
-      throw std::invalid_argument("invalid --inject-oom '" + text + "': expected step numbers from 1, like 3,7");
-    }
-    steps.push_back(v);
-  }
-  return steps;
-}
-
 }  // namespace
 
 int run_report_command(WorkloadFlags& wf, const StepFlags& sf, const ReportFlags& f) {
@@ -196,7 +176,13 @@ int run_plan_command(WorkloadFlags& wf, const StepFlags& sf, const PlanFlags& f)
 int run_train_command(WorkloadFlags& wf, const StepFlags& sf, TrainFlags& f) {
   TrainOptions& o = f.options;
   if (!f.budget.empty()) o.budget_bytes = parse_budget(f.budget);
-  if (!f.inject_oom.empty()) o.inject_oom = parse_step_list(f.inject_oom);
+  if (!f.inject_oom.empty()) {
+    try {
+      o.inject_oom = parse_step_list(f.inject_oom, o.steps);
+    } catch (const std::invalid_argument& e) {
+      throw std::invalid_argument(std::string("--inject-oom: ") + e.what());
+    }
+  }
   Workload w = build_workload(wf);
   const StepConfig fixed = step_config(sf, w.chain->size());
   o.batch = fixed.batch;
@@ -206,8 +192,9 @@ int run_train_command(WorkloadFlags& wf, const StepFlags& sf, TrainFlags& f) {
   o.optimizer = fixed.optimizer;
   o.precision = sf.precision;
   o.checkpoint = pinned_checkpoint(sf.checkpoint, w.chain->size());
-  train(w, o, std::cout);
-  return 0;
+  StopOnSignals stop_on_ctrl_c;  // the first Ctrl-C finishes the step, saves and summarizes
+  const TrainSummary summary = train(w, o, std::cout);
+  return summary.interrupted ? 130 : 0;
 }
 
 }  // namespace memfit::cli

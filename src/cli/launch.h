@@ -12,7 +12,8 @@ namespace memfit::cli {
 struct LaunchOptions {
   int nproc = 2;
   int master_port = 0;                // 0: a free port on 127.0.0.1
-  double grace_seconds = 5;           // SIGTERM, then SIGKILL after this long
+  double grace_seconds = 30;          // SIGTERM/SIGINT, then SIGKILL after this long (ranks
+                                      // finish their step and save first)
   std::vector<std::string> command;   // "train" and its flags
 };
 

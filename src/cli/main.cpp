@@ -5,6 +5,7 @@
 #include <malloc.h>
 #include <unistd.h>
 
+#include <cerrno>
 #include <cstdio>
 #include <cstdlib>
 #include <limits>
@@ -78,22 +79,48 @@ CLI::App* add_launch(CLI::App& app, LaunchOptions& o) {
   return cmd;
 }
 
+// CLI11 clamps integers past 64 bits silently: such a value is refused before parsing, naming
+// the flag it follows. Returns the error line, or "" when every integer fits.
+std::string out_of_range_integer(int argc, char** argv) {
+  for (int i = 1; i < argc; ++i) {
+    std::string value = argv[i];
+    std::string flag = i > 1 ? argv[i - 1] : "";
+    const size_t eq = value.find('=');
+    if (value.rfind("--", 0) == 0 && eq != std::string::npos) {
+      flag = value.substr(0, eq);
+      value = value.substr(eq + 1);
+    }
+    const size_t first = value.rfind('-', 0) == 0 ? 1 : 0;
+    if (value.size() <= first || value.find_first_not_of("0123456789", first) != std::string::npos) continue;
+    errno = 0;
+    std::strtoll(value.c_str(), nullptr, 10);
+    if (errno == ERANGE) return "invalid " + flag + " " + value + ": out of the range of a 64-bit integer";
+  }
+  return "";
+}
+
+// One "memfit: " prefix, whatever the library's message starts with.
+void print_error(const std::string& message) {
+  const std::string prefix = "memfit: ";
+  const std::string text = message.rfind(prefix, 0) == 0 ? message.substr(prefix.size()) : message;
+  std::fprintf(stderr, "memfit: %s\n", text.substr(0, text.find('\n')).c_str());
+}
+
 // Runs the parsed subcommand; library errors become one line (flag names for bad options).
 int dispatch(const std::function<int()>& command) {
   try {
     return command();
   } catch (const OptionError& e) {
-    std::fprintf(stderr, "memfit: %s\n", flag_message(e).c_str());
+    print_error(flag_message(e));
     return 2;
   } catch (const std::invalid_argument& e) {
-    std::fprintf(stderr, "memfit: %s\n", e.what());
+    print_error(e.what());
     return 2;
   } catch (const c10::Error& e) {
-    const std::string what = e.what_without_backtrace();
-    std::fprintf(stderr, "memfit: %s\n", what.substr(0, what.find('\n')).c_str());
+    print_error(e.what_without_backtrace());
     return 1;
   } catch (const std::exception& e) {
-    std::fprintf(stderr, "memfit: %s\n", e.what());
+    print_error(e.what());
     return 1;
   }
 }
@@ -130,6 +157,10 @@ int main(int argc, char** argv) {
   CLI::App* plan = add_plan(app, plan_w, plan_s, plan_f);
   CLI::App* train = add_train(app, train_w, train_s, train_f);
   CLI::App* launch_cmd = add_launch(app, launch_o);
+  if (const std::string bad = out_of_range_integer(argc, argv); !bad.empty()) {
+    std::fprintf(stderr, "memfit: %s\n", bad.c_str());
+    return 2;
+  }
   try {
     app.parse(argc, argv);
   } catch (const CLI::CallForHelp& e) {

@@ -1,5 +1,6 @@
 #include "memfit/measure/size.h"
 
+#include <algorithm>
 #include <cctype>
 #include <cmath>
 #include <cstdio>
@@ -54,6 +55,22 @@ std::string format_bytes(int64_t bytes) {
   else if (v >= 10) std::snprintf(buf, sizeof buf, "%s%.1f %s", sign, v, units[u]);
   else std::snprintf(buf, sizeof buf, "%s%.2f %s", sign, v, units[u]);
   return buf;
+}
+
+std::vector<int64_t> parse_step_list(const std::string& text, int64_t last) {
+  const std::string expected = "expected step numbers from 1 to " + std::to_string(last) + ", like 3,7";
+  std::vector<int64_t> steps;
+  size_t start = 0;
+  while (start <= text.size()) {
+    const size_t comma = std::min(text.find(',', start), text.size());
+    const std::string item = text.substr(start, comma - start);
+    const bool digits = !item.empty() && item.size() <= 18 && item.find_first_not_of("0123456789") == std::string::npos;
+    const int64_t step = digits ? std::stoll(item) : 0;
+    if (step < 1 || step > last) throw std::invalid_argument("invalid step list '" + text + "': " + expected);
+    steps.push_back(step);
+    start = comma + 1;
+  }
+  return steps;
 }
 
 }  // namespace memfit

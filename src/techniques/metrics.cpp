@@ -24,6 +24,8 @@ LeakDetector::LeakDetector(int64_t warmup, int64_t window) : warmup_(warmup), wi
 
 std::optional<LeakReport> LeakDetector::observe(int64_t step, int64_t live_bytes) {
   if (reported_ || step <= warmup_) return std::nullopt;
+  // Only the last window + 1 samples matter: a long run keeps no more.
+  if (static_cast<int64_t>(samples_.size()) == window_ + 1) samples_.erase(samples_.begin());
   samples_.emplace_back(step, live_bytes);
   if (static_cast<int64_t>(samples_.size()) < window_ + 1) return std::nullopt;
   // The last `window` differences must all be growth.

@@ -1,11 +1,13 @@
 #include "memfit/train/saved_state.h"
 
+#include <fcntl.h>
 #include <openssl/evp.h>
 #include <torch/serialize.h>
 #include <unistd.h>
 
 #include <cstdio>
-#include <memory>
+#include <fstream>
+#include <iterator>
 #include <stdexcept>
 
 #include "memfit/techniques/rng.h"
@@ -15,42 +17,65 @@ namespace fs = std::filesystem;
 namespace memfit {
 namespace {
 
-void fsync_path(const fs::path& p) {
-  FILE* f = std::fopen(p.c_str(), "rb");
-  if (f == nullptr) return;
-  ::fsync(fileno(f));
-  std::fclose(f);
-}
+constexpr const char* kManifest = "state.json";
 
-std::string first_line(const std::exception& e) {
-  const auto* c10_error = dynamic_cast<const c10::Error*>(&e);
-  const std::string what = c10_error != nullptr ? c10_error->what_without_backtrace() : e.what();
-  return what.substr(0, what.find('\n'));
-}
-
-fs::path state_file(const fs::path& dir) {
-  const fs::path file = dir / "state.pt";
-  if (!fs::exists(file)) {
-    throw std::runtime_error("cannot resume: no saved state in '" + dir.string() + "' (expected " + file.string() + ")");
+// Incremental sha256 (OpenSSL 3's EVP interface; the SHA256_* functions are deprecated there).
+class Sha256 {
+ public:
+  Sha256() : ctx_(EVP_MD_CTX_new(), &EVP_MD_CTX_free) {
+    if (!ctx_ || EVP_DigestInit_ex(ctx_.get(), EVP_sha256(), nullptr) != 1) {
+      throw std::runtime_error("sha256: cannot initialise OpenSSL's digest");
+    }
   }
-  return file;
-}
-
-torch::serialize::InputArchive open_archive(const fs::path& file) {
-  torch::serialize::InputArchive archive;
-  try {
-    archive.load_from(file.string());
-  } catch (const std::exception& e) {
-    throw std::runtime_error("cannot resume: corrupt or truncated state file " + file.string() + " (" + first_line(e) + ")");
+  void add(const void* data, size_t size) { EVP_DigestUpdate(ctx_.get(), data, size); }
+  std::string hex() {
+    unsigned char digest[EVP_MAX_MD_SIZE];
+    unsigned int length = 0;
+    EVP_DigestFinal_ex(ctx_.get(), digest, &length);
+    std::string out;
+    char two[3];
+    for (unsigned int i = 0; i < length; ++i) {
+      std::snprintf(two, sizeof two, "%02x", digest[i]);
+      out += two;
+    }
+    return out;
   }
-  return archive;
+
+ private:
+  std::unique_ptr<EVP_MD_CTX, decltype(&EVP_MD_CTX_free)> ctx_;
+};
+
+std::string read_file(const fs::path& path) {
+  std::ifstream in(path, std::ios::binary);
+  if (!in) throw std::runtime_error("cannot resume: cannot read " + path.string());
+  return std::string(std::istreambuf_iterator<char>(in), std::istreambuf_iterator<char>());
 }
 
-}  // namespace
+// Writes `bytes` to PATH.tmp<pid>, flushes it to disk, renames it to PATH, and flushes the
+// directory entry: PATH is then either the old file or the whole new one.
+void write_atomically(const fs::path& path, const std::string& bytes) {
+  const fs::path tmp = path.string() + ".tmp" + std::to_string(::getpid());
+  {
+    std::ofstream out(tmp, std::ios::binary | std::ios::trunc);
+    out.write(bytes.data(), static_cast<std::streamsize>(bytes.size()));
+    out.flush();
+    if (!out) throw std::runtime_error("cannot save state: writing " + tmp.string() + " failed");
+  }
+  const int fd = ::open(tmp.c_str(), O_RDONLY);
+  if (fd >= 0) {
+    ::fsync(fd);
+    ::close(fd);
+  }
+  fs::rename(tmp, path);
+  const int dir_fd = ::open(path.parent_path().c_str(), O_RDONLY | O_DIRECTORY);
+  if (dir_fd >= 0) {
+    ::fsync(dir_fd);
+    ::close(dir_fd);
+  }
+}
 
-void save_state(const fs::path& dir, const torch::nn::Module& model, torch::optim::Optimizer& optimizer,
-                const nlohmann::json& meta, c10::Device device) {
-  fs::create_directories(dir);
+std::string archive_bytes(const torch::nn::Module& model, torch::optim::Optimizer& optimizer, const nlohmann::json& meta,
+                          c10::Device device) {
   torch::serialize::OutputArchive archive, model_archive, optimizer_archive;
   model.save(model_archive);
   optimizer.save(optimizer_archive);
@@ -60,62 +85,128 @@ void save_state(const fs::path& dir, const torch::nn::Module& model, torch::opti
   const RngState rng = capture_rng(device);
   archive.write("rng_cpu", rng.cpu);
   if (rng.cuda.defined()) archive.write("rng_cuda", rng.cuda);
-  const fs::path tmp = dir / ("state.pt.tmp" + std::to_string(::getpid()));
-  archive.save_to(tmp.string());
-  fsync_path(tmp);
-  fs::rename(tmp, dir / "state.pt");
+  std::ostringstream out;
+  archive.save_to(out);
+  return out.str();
 }
 
-nlohmann::json load_state_meta(const fs::path& dir) {
-  const fs::path file = state_file(dir);
-  torch::serialize::InputArchive archive = open_archive(file);
+// The manifest's one file entry, checked: the name is a plain file name in DIR.
+fs::path manifest_file(const fs::path& dir, const nlohmann::json& manifest) {
+  const std::string name = manifest.at("files").at(0).at("name").get<std::string>();
+  if (name.empty() || name.find('/') != std::string::npos || name.rfind("state-", 0) != 0) {
+    throw std::runtime_error("names '" + name + "', not a state file");
+  }
+  return dir / name;
+}
+
+nlohmann::json read_manifest(const fs::path& dir) {
+  const fs::path path = dir / kManifest;
+  if (!fs::exists(path)) {
+    const bool old_format = fs::exists(dir / "state.pt");
+    throw std::runtime_error("cannot resume: no saved state in '" + dir.string() + "' (expected " + path.string() +
+                             (old_format ? "; state.pt there was written by an older memfit without a manifest)" : ")"));
+  }
   try {
-    c10::IValue meta;
-    if (!archive.try_read("meta", meta)) throw std::runtime_error("no meta record");
-    return nlohmann::json::parse(meta.toStringRef());
+    nlohmann::json manifest = nlohmann::json::parse(read_file(path));
+    manifest_file(dir, manifest);
+    manifest.at("files").at(0).at("bytes").get<int64_t>();
+    manifest.at("files").at(0).at("sha256").get<std::string>();
+    return manifest;
   } catch (const std::exception& e) {
-    throw std::runtime_error("cannot resume: corrupt or truncated state file " + file.string() + " (" + first_line(e) + ")");
+    std::string what = e.what();
+    throw std::runtime_error("cannot resume: corrupt manifest " + path.string() + " (" + what.substr(0, what.find('\n')) + ")");
   }
 }
 
-void load_state(const fs::path& dir, torch::nn::Module& model, torch::optim::Optimizer& optimizer, c10::Device device) {
-  const fs::path file = state_file(dir);
-  torch::serialize::InputArchive archive = open_archive(file);
-  try {
-    torch::serialize::InputArchive model_archive, optimizer_archive;
-    archive.read("model", model_archive);
-    archive.read("optimizer", optimizer_archive);
-    model.load(model_archive);
-    optimizer.load(optimizer_archive);
-    RngState rng = capture_rng(device);
-    archive.read("rng_cpu", rng.cpu);
-    if (rng.cuda.defined()) archive.read("rng_cuda", rng.cuda);
-    restore_rng(rng);
-  } catch (const c10::Error& e) {
-    throw std::runtime_error("cannot resume: state file " + file.string() + " does not match the model (" + first_line(e) + ")");
-  }
+}  // namespace
+
+std::string sha256_hex(const void* data, size_t size) {
+  Sha256 sha;
+  sha.add(data, size);
+  return sha.hex();
 }
 
 std::string weights_sha256(const torch::nn::Module& module) {
-  // OpenSSL 3's EVP interface (the SHA256_* functions are deprecated there).
-  std::unique_ptr<EVP_MD_CTX, decltype(&EVP_MD_CTX_free)> ctx(EVP_MD_CTX_new(), &EVP_MD_CTX_free);
-  if (!ctx || EVP_DigestInit_ex(ctx.get(), EVP_sha256(), nullptr) != 1) {
-    throw std::runtime_error("sha256: cannot initialise OpenSSL's digest");
-  }
+  Sha256 sha;
   for (const auto& p : module.parameters()) {
-    auto c = p.detach().to(c10::kCPU).contiguous();
-    EVP_DigestUpdate(ctx.get(), c.data_ptr(), static_cast<size_t>(c.numel()) * c.element_size());
+    const auto c = p.detach().to(c10::kCPU).contiguous();
+    sha.add(c.data_ptr(), static_cast<size_t>(c.numel()) * c.element_size());
   }
-  unsigned char digest[EVP_MAX_MD_SIZE];
-  unsigned int length = 0;
-  EVP_DigestFinal_ex(ctx.get(), digest, &length);
-  std::string hex;
-  char two[3];
-  for (unsigned int i = 0; i < length; ++i) {
-    std::snprintf(two, sizeof two, "%02x", digest[i]);
-    hex += two;
+  return sha.hex();
+}
+
+void save_state(const fs::path& dir, const torch::nn::Module& model, torch::optim::Optimizer& optimizer,
+                const nlohmann::json& meta, c10::Device device) {
+  fs::create_directories(dir);
+  const std::string bytes = archive_bytes(model, optimizer, meta, device);
+  char name[64];
+  std::snprintf(name, sizeof name, "state-%08lld.pt", static_cast<long long>(meta.at("step").get<int64_t>()));
+  write_atomically(dir / name, bytes);
+  const nlohmann::json manifest{
+      {"format", 2},
+      {"files", {{{"name", name}, {"bytes", static_cast<int64_t>(bytes.size())}, {"sha256", sha256_hex(bytes.data(), bytes.size())}}}}};
+  write_atomically(dir / kManifest, manifest.dump(2) + "\n");  // the commit point
+  remove_stale_state_files(dir);
+}
+
+int remove_stale_state_files(const fs::path& dir) {
+  std::string keep;
+  try {
+    keep = manifest_file(dir, read_manifest(dir)).filename().string();
+  } catch (const std::exception&) {
+    // No valid manifest: only temporaries are surely stale.
   }
-  return hex;
+  int removed = 0;
+  std::error_code ec;
+  for (const auto& entry : fs::directory_iterator(dir, ec)) {
+    const std::string name = entry.path().filename().string();
+    const bool temporary = name.find(".tmp") != std::string::npos && (name.rfind("state", 0) == 0);
+    const bool superseded = !keep.empty() && name.rfind("state-", 0) == 0 && name != keep &&
+                            name.size() > 3 && name.compare(name.size() - 3, 3, ".pt") == 0;
+    if ((temporary || superseded) && fs::remove(entry.path(), ec)) ++removed;
+  }
+  return removed;
+}
+
+SavedState SavedState::open(const fs::path& dir) {
+  const nlohmann::json manifest = read_manifest(dir);
+  const nlohmann::json& entry = manifest["files"][0];
+  SavedState s;
+  s.file_ = manifest_file(dir, manifest);
+  if (!fs::exists(s.file_)) throw std::runtime_error("cannot resume: " + s.file_.string() + ", named in state.json, is missing");
+  const std::string bytes = read_file(s.file_);
+  if (static_cast<int64_t>(bytes.size()) != entry["bytes"].get<int64_t>() ||
+      sha256_hex(bytes.data(), bytes.size()) != entry["sha256"].get<std::string>()) {
+    throw std::runtime_error("cannot resume: " + s.file_.string() +
+                             " is corrupt or truncated (its size or sha256 differs from state.json)");
+  }
+  try {
+    s.archive_ = std::make_shared<torch::serialize::InputArchive>();
+    s.archive_->load_from(bytes.data(), bytes.size());
+    c10::IValue meta;
+    if (!s.archive_->try_read("meta", meta)) throw std::runtime_error("no meta record");
+    s.meta_ = nlohmann::json::parse(meta.toStringRef());
+  } catch (const std::exception&) {
+    // The bytes are the ones saved: a reader that cannot parse them is another memfit's.
+    throw std::runtime_error("cannot resume: " + s.file_.string() + " matches its checksum but cannot be read by this memfit");
+  }
+  return s;
+}
+
+void SavedState::load_into(torch::nn::Module& model, torch::optim::Optimizer& optimizer, c10::Device device) {
+  try {
+    torch::serialize::InputArchive model_archive, optimizer_archive;
+    archive_->read("model", model_archive);
+    archive_->read("optimizer", optimizer_archive);
+    model.load(model_archive);
+    optimizer.load(optimizer_archive);
+    RngState rng = capture_rng(device);
+    archive_->read("rng_cpu", rng.cpu);
+    if (rng.cuda.defined()) archive_->read("rng_cuda", rng.cuda);
+    restore_rng(rng);
+  } catch (const c10::Error&) {
+    throw std::runtime_error("cannot resume: " + file_.string() + " holds another model or optimizer than this run's");
+  }
 }
 
 }  // namespace memfit

@@ -2,6 +2,7 @@
 // the JSON-lines log and the HTML report.
 #include <torch/torch.h>
 
+#include <cmath>
 #include <cstdio>
 #include <filesystem>
 
@@ -50,6 +51,34 @@ void JsonLog::commit() {
   out_.flush();
   out_.close();
   std::filesystem::rename(tmp_, path_);
+}
+
+void StepHistory::add(const StepPoint& point) {
+  last_ = point;
+  if (point.step % stride_ != 0 && std::isnan(point.eval_loss)) return;  // between kept points
+  if (points_.size() == kCapacity) {
+    // Keep every other point (evaluations always), and take half as many from now on.
+    size_t kept = 0;
+    for (size_t i = 0; i < points_.size(); ++i) {
+      if (i % 2 == 0 || !std::isnan(points_[i].eval_loss)) points_[kept++] = points_[i];
+    }
+    points_.resize(kept);
+    stride_ *= 2;
+  }
+  if (points_.size() < kCapacity) points_.push_back(point);
+}
+
+nlohmann::json StepHistory::json() const {
+  nlohmann::json out = nlohmann::json::array();
+  for (const auto& p : points_) {
+    nlohmann::json j{{"step", p.step}, {"loss", p.loss}, {"live_bytes", p.live_bytes}, {"peak_bytes", p.peak_bytes}};
+    if (!std::isnan(p.eval_loss)) j["eval_loss"] = p.eval_loss;
+    out.push_back(j);
+  }
+  if (last_.step > 0 && (points_.empty() || points_.back().step != last_.step)) {  // the last step, always
+    out.push_back({{"step", last_.step}, {"loss", last_.loss}, {"live_bytes", last_.live_bytes}, {"peak_bytes", last_.peak_bytes}});
+  }
+  return out;
 }
 
 void print_header(TrainerState& t) {
@@ -153,7 +182,12 @@ nlohmann::json step_document(TrainerState& t, const KnownStorage& known) {
 }
 
 void write_report(TrainerState& t) {
-  if (t.o.report_html.empty() || t.last_step_doc.is_null()) return;
+  if (t.o.report_html.empty()) return;
+  if (t.last_step_doc.is_null()) {  // stopped before the last step: no step was recorded
+    t.last_step_doc = {{"title", "memfit train (stopped early): " + t.w.description},
+                       {"device", t.o.device.str()},
+                       {"budget_bytes", t.budget}};
+  }
   const Plan& p = t.plan;
   const TrainSummary& s = t.summary;
   nlohmann::json rows = nlohmann::json::array();
@@ -174,7 +208,7 @@ void write_report(TrainerState& t) {
     d["ranks"] = ranks_json(ranks);
     d["zero_stage"] = s.zero_stage;
   }
-  d["steps"] = t.steps_json;
+  d["steps"] = t.history.json();
   write_html_report(t.o.report_html, d);
   t.out << "  report: " << t.o.report_html << "\n";
 }

@@ -15,6 +15,7 @@
 #include "memfit/techniques/grads.h"
 #include "memfit/techniques/rng.h"
 #include "memfit/train/saved_state.h"
+#include "memfit/train/stop_signal.h"
 #include "trainer_impl.h"
 
 namespace memfit {
@@ -121,8 +122,10 @@ void Trainer::set_up() {
 
 void Trainer::resume() {
   TrainerState& t = *impl_;
-  const nlohmann::json meta = load_state_meta(t.o.resume_dir);
-  const std::string where = t.o.resume_dir + "/state.pt";
+  if (t.primary) remove_stale_state_files(t.o.resume_dir);  // what an interrupted save left
+  SavedState saved = SavedState::open(t.o.resume_dir);
+  const nlohmann::json& meta = saved.meta();
+  const std::string where = saved.file().string();
   if (meta.value("model", "") != t.w.description) {
     throw std::runtime_error("cannot resume: " + where + " holds '" + meta.value("model", "?") + "', not '" +
                              t.w.description + "' (the same model is needed)");
@@ -139,10 +142,10 @@ void Trainer::resume() {
   if (t.sharded_optimizer()) {
     // The file holds the whole state (the single-process format): keep this rank's share.
     auto full = make_optimizer(t.o.optimizer, t.params);
-    load_state(t.o.resume_dir, *t.w.chain, *full, t.o.device);
+    saved.load_into(*t.w.chain, *full, t.o.device);
     t.sdp->keep_owned_state(*full, *t.optimizer);
   } else {
-    load_state(t.o.resume_dir, *t.w.chain, *t.optimizer, t.o.device);
+    saved.load_into(*t.w.chain, *t.optimizer, t.o.device);
   }
   t.resumed_meta = meta;
   t.start_step = meta.at("step").get<int64_t>();
@@ -258,6 +261,7 @@ const Plan& Trainer::plan() {
   t.scaler = std::make_unique<GradScaler>(GradScalerOptions{65536.0, 2.0, 0.5, 2000, fp16});
   if (!fp16) t.scaler.reset();
   t.recovery = std::make_unique<SplitRecovery>(t.local.length, t.o.batch, t.w.chain->size(), t.out, t.tty);
+  t.eval_micro_batch = t.plan.config.micro_batch_size();
   t.budget_guard = std::make_unique<BudgetGuard>(t.budget);  // until the Trainer is destroyed
   print_plan(t);
   t.log = std::make_unique<JsonLog>(t.o.json_log);
@@ -265,6 +269,7 @@ const Plan& Trainer::plan() {
   line["type"] = "plan";
   t.log->write(line);
   t.summary.budget_bytes = t.budget;
+  t.summary.losses.reserve(static_cast<size_t>(t.o.steps - t.start_step));  // no growth during training
   t.tracker->reset_phase_times();  // the summary's time per phase covers training only
   t.run_start = TrainClock::now();
   return t.plan;
@@ -293,7 +298,6 @@ void Trainer::update(bool last) {
   StepOptions so = t.step_options();
   KnownStorage known;
   so.after_optimizer = [&] {  // this rank's state bytes, while gradients and optimizer state are all present
-    if (!last) return;
     if (t.tracker->recording()) t.tracker->stop_recording();
     known = known_storage(t.params, optimizer_state_tensors(*t.optimizer));
     const Categories live = classify_live(*t.tracker, known);
@@ -337,6 +341,7 @@ double Trainer::step(int64_t step) {
   t.tracker->reset_peak();
   if (last && !t.o.report_html.empty()) t.tracker->start_recording();
   const auto t0 = TrainClock::now();
+  const RngState rng_at_start = capture_rng(t.o.device);
   Batch batch;
   {
     PhaseGuard data(Phase::kData);
@@ -344,6 +349,7 @@ double Trainer::step(int64_t step) {
   }
   const StepResult r = accumulate(step, batch);
   batch = Batch{};
+  if (!std::isfinite(r.loss) && !t.scaler) stop_on_nonfinite_loss(step, r.loss, rng_at_start);
   update(last);
   if (t.recovery->real_oom_in_step()) replan_after_oom(r.smallest_micro_batch);
   record(step, r.loss, std::chrono::duration<double>(TrainClock::now() - t0).count());
@@ -360,7 +366,7 @@ void Trainer::record(int64_t step, double loss, double seconds) {
   s.losses.push_back(loss);
   s.final_loss = loss;
   s.steps = step;
-  s.oom_recoveries = t.recovery->recoveries();
+  s.oom_recoveries = t.recovery->recoveries() + t.eval_recoveries;
   nlohmann::json line{{"type", "step"},     {"step", step},       {"loss", loss},
                       {"samples", t.o.batch}, {"seconds", seconds}, {"live_bytes", t.tracker->current()},
                       {"peak_bytes", peak},  {"oom_recoveries", s.oom_recoveries}};
@@ -369,18 +375,34 @@ void Trainer::record(int64_t step, double loss, double seconds) {
     line["eval_loss"] = s.eval_loss;
   }
   t.log->write(line);
-  nlohmann::json point{{"step", step}, {"loss", loss}, {"live_bytes", t.tracker->current()}, {"peak_bytes", peak}};
-  if (line.contains("eval_loss")) point["eval_loss"] = s.eval_loss;
-  t.steps_json.push_back(point);
+  StepPoint point{step, loss, t.tracker->current(), peak};
+  if (line.contains("eval_loss")) point.eval_loss = s.eval_loss;
+  t.history.add(point);
   print_progress(t, step, line);
 }
 
 double Trainer::evaluate() {
+  // Held-out batches run as micro-batches of the plan's size under the budget; one that runs
+  // out of memory is halved and redone (inference keeps no graph, so that always converges).
   TrainerState& t = *impl_;
   const int64_t count = std::min(t.o.eval_batches, t.w.data->eval_batch_count(t.o.batch));
   double total = 0;
   for (int64_t i = 0; i < count; ++i) {
-    total += eval_loss(t.w, t.w.data->eval_batch(i, t.o.batch).to(t.o.device), t.plan.config.precision);
+    const Batch batch = t.w.data->eval_batch(i, t.o.batch).to(t.o.device);
+    double sum = 0;  // of each micro-batch's mean loss times its samples
+    for (int64_t start = 0; start < batch.size();) {
+      const int64_t length = std::min(t.eval_micro_batch, batch.size() - start);
+      try {
+        sum += eval_loss(t.w, batch.slice(start, length), t.plan.config.precision) * static_cast<double>(length);
+        start += length;
+      } catch (const c10::OutOfMemoryError&) {
+        if (length == 1) throw std::runtime_error("out of memory in evaluation even with 1 sample: budget " + format_bytes(t.budget));
+        t.eval_micro_batch = length / 2;
+        ++t.eval_recoveries;
+        t.out << (t.tty ? "\n" : "") << "out of memory in evaluation: micro-batch " << length << " -> " << length / 2 << "\n";
+      }
+    }
+    total += sum / static_cast<double>(batch.size());
   }
   return count > 0 ? total / static_cast<double>(count) : 0.0;
 }
@@ -395,6 +417,7 @@ void Trainer::save(int64_t step) {
                             {"parameters", parameter_count(*t.w.chain)},
                             {"optimizer", optimizer_family_name(t.o.optimizer.family)},
                             {"plan", plan_json(t.plan)}};
+  t.last_saved_step = step;
   if (t.sharded_optimizer()) {
     // Rank 0 saves the whole state, gathered from its owners: the single-process format.
     auto full = t.sdp->gather_optimizer_state(*t.optimizer, t.o.optimizer);
@@ -439,9 +462,42 @@ TrainSummary Trainer::run() {
   set_up();
   plan();
   TrainerState& t = *impl_;
-  for (int64_t s = t.start_step + 1; s <= t.o.steps; ++s) step(s);
+  for (int64_t s = t.start_step + 1; s <= t.o.steps; ++s) {
+    step(s);
+    if (s < t.o.steps && stop_agreed()) {
+      t.summary.interrupted = true;
+      if (!t.o.save_dir.empty() && t.last_saved_step != s) save(s);
+      t.out << (t.tty ? "\n" : "") << "stopped after step " << s << " on request"
+            << (t.o.save_dir.empty() ? "" : "; the state is saved in " + t.o.save_dir) << "\n";
+      break;
+    }
+  }
   if (t.tty) t.out << "\n";
   return summarize();
+}
+
+bool Trainer::stop_agreed() {
+  // Every rank must leave the loop after the same step, or the others wait in a collective.
+  TrainerState& t = *impl_;
+  if (!t.context) return stop_requested();
+  const at::Tensor flag = at::tensor({stop_requested() ? int64_t{1} : int64_t{0}}, at::kLong);
+  t.context->all_reduce_sum(flag, "agreeing on a stop request");
+  return flag.item<int64_t>() > 0;
+}
+
+void Trainer::stop_on_nonfinite_loss(int64_t step, double loss, const RngState& rng_at_start) {
+  // The weights are still those after the previous step: save them as they are (with the
+  // random stream as the step found it), and stop.
+  TrainerState& t = *impl_;
+  zero_grad(t.params, true);
+  restore_rng(rng_at_start);
+  std::string saved;
+  if (!t.o.save_dir.empty() && step > 1) {
+    save(step - 1);
+    saved = "; the state after step " + std::to_string(step - 1) + " is saved in " + t.o.save_dir;
+  }
+  throw std::runtime_error(std::string("the loss is ") + (std::isnan(loss) ? "nan" : "infinite") + " at step " +
+                           std::to_string(step) + ": training diverged (a smaller --lr may help)" + saved);
 }
 
 TrainSummary train(Workload& workload, const TrainOptions& options, std::ostream& out) {
@@ -460,7 +516,8 @@ nlohmann::json TrainSummary::json() const {
           {"budget_bytes", budget_bytes}, {"oom_recoveries", oom_recoveries},
           {"weights_sha256", weights_sha256},
           {"world_size", world_size},   {"zero_stage", zero_stage},
-          {"seconds", seconds},         {"ranks", rank_lines},
+          {"seconds", seconds},         {"interrupted", interrupted},
+          {"ranks", rank_lines},
           {"plan", plan_json(plan)}};
 }
 

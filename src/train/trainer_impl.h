@@ -3,6 +3,7 @@
 #pragma once
 
 #include <chrono>
+#include <limits>
 #include <fstream>
 #include <memory>
 #include <optional>
@@ -32,6 +33,31 @@ class JsonLog {
   std::ofstream out_;
 };
 
+// One point of the steps chart.
+struct StepPoint {
+  int64_t step = 0;
+  double loss = 0;
+  int64_t live_bytes = 0, peak_bytes = 0;
+  double eval_loss = std::numeric_limits<double>::quiet_NaN();  // NaN: not evaluated then
+};
+
+// The steps chart's points in preallocated storage of at most kCapacity points: when full,
+// every other point goes and the stride doubles. Nothing per step outlives the step on the
+// heap, so a run of 10^5 steps holds what a run of 10^3 does (long-lived small allocations
+// interleaved with tensors' made the heap grow by tens of KB per step).
+class StepHistory {
+ public:
+  static constexpr size_t kCapacity = 1024;
+  StepHistory() { points_.reserve(kCapacity); }
+  void add(const StepPoint& point);
+  nlohmann::json json() const;
+
+ private:
+  std::vector<StepPoint> points_;
+  StepPoint last_;
+  int64_t stride_ = 1;
+};
+
 struct TrainerState {
   TrainerState(Workload& workload, TrainOptions options, std::ostream& out);
 
@@ -59,12 +85,15 @@ struct TrainerState {
   int64_t budget = 0;
   std::unique_ptr<GradScaler> scaler;
   std::unique_ptr<SplitRecovery> recovery;
+  int64_t eval_micro_batch = 1;     // the plan's micro-batch, halved by out-of-memory errors
+  int64_t eval_recoveries = 0;
+  int64_t last_saved_step = -1;
 
   std::unique_ptr<JsonLog> log;
   LeakDetector leaks;
   TrainSummary summary;
   RankStateBytes own_state;         // measured at the last optimizer step
-  nlohmann::json steps_json = nlohmann::json::array();
+  StepHistory history;              // what the HTML report's steps chart draws, bounded
   nlohmann::json last_step_doc;     // the last step, analysed for the HTML report
   TrainClock::time_point run_start;
 

@@ -2,6 +2,10 @@
 
 #include <torch/torch.h>
 
+#include <unistd.h>
+
+#include <cstdio>
+
 #include "memfit/errors.h"
 
 namespace memfit {
@@ -13,9 +17,38 @@ const std::string& bible() {
   return text;
 }
 
+// Parameters the model would have, roughly (as a double: absurd shapes must not overflow).
+double estimated_parameters(const ModelOptions& o) {
+  if (o.model == "gpt") {
+    const double d = static_cast<double>(o.gpt.d_model), vocab = 256;  // at most one token per byte value
+    return static_cast<double>(o.gpt.layers) * 12 * d * d + (2 * vocab + static_cast<double>(o.gpt.seq)) * d;
+  }
+  if (o.model == "cnn") {
+    const double c = static_cast<double>(o.cnn.channels);
+    return static_cast<double>(o.cnn.blocks) * 18 * c * c + 10 * c + 9 * c;
+  }
+  const double width = static_cast<double>(o.mlp.width);
+  return static_cast<double>(o.mlp.layers) * width * width + 794 * width;
+}
+
+// Refuses, before anything is built, a model whose fp32 weights alone exceed this machine's
+// memory: building it would only run for minutes and then fail.
+void check_model_size(const ModelOptions& o) {
+  const double weights = 4 * estimated_parameters(o);
+  const double memory = static_cast<double>(sysconf(_SC_PHYS_PAGES)) * static_cast<double>(sysconf(_SC_PAGESIZE));
+  if (weights <= memory) return;
+  char text[160];
+  std::snprintf(text, sizeof text, "a model of about %.3g parameters (%.3g GiB of fp32 weights) does not fit this machine's %.3g GiB",
+                weights / 4, weights / (1 << 30), memory / (1 << 30));
+  throw OptionError("model", "'" + o.model + "'", text);
+}
+
 }  // namespace
 
 Workload make_workload(const ModelOptions& o) {
+  check_option(o.model == "gpt" || o.model == "cnn" || o.model == "mlp", "model", "'" + o.model + "'",
+               "expected gpt, cnn or mlp");
+  check_model_size(o);
   Workload w;
   w.name = o.model;
   w.seed = o.seed;

@@ -73,9 +73,13 @@ for s in rl: assert fl[s] == rl[s], (s, fl[s], rl[s])
 assert full[-1]["weights_sha256"] == res[-1]["weights_sha256"]
 PY
 
-# 5. A save killed half-way leaves a stray temporary: the previous state still loads.
-echo "garbage" > "$dir/state/state.pt.tmp12345"
-"$memfit" train "${small[@]}" "${pinned[@]}" --steps 5 --budget 64MiB --resume "$dir/state" > /dev/null 2>&1 && ok || bad "resume beside a stray temporary failed"
+# 5. A save killed half-way leaves stray temporaries and an unreferenced state file: the
+#    previous state still loads, and the leftovers are removed.
+echo "garbage" > "$dir/state/state.json.tmp12345"
+echo "garbage" > "$dir/state/state-00000099.pt.tmp12345"
+echo "garbage" > "$dir/state/state-00000099.pt"
+"$memfit" train "${small[@]}" "${pinned[@]}" --steps 5 --budget 64MiB --resume "$dir/state" > /dev/null 2>&1 && ok || bad "resume beside stray temporaries failed"
+[ "$(ls "$dir/state" | sort | tr '\n' ' ')" = "state-00000004.pt state.json " ] && ok || bad "leftovers not removed: $(ls "$dir/state")"
 
 # 6. One clear line and a non-zero exit for bad state and bad budgets.
 one_line_error() {  # args: expected-text, command...
@@ -85,7 +89,7 @@ one_line_error() {  # args: expected-text, command...
   if [ $rc -ne 0 ] && [ "$n" -eq 1 ] && [[ "$err" == *"$expect"* ]]; then ok; else bad "$* -> rc=$rc lines=$n: $err"; fi
 }
 cp -r "$dir/state" "$dir/corrupt"
-head -c 3000 "$dir/state/state.pt" > "$dir/corrupt/state.pt"
+head -c 3000 "$dir/state/state-00000004.pt" > "$dir/corrupt/state-00000004.pt"
 one_line_error "corrupt or truncated" "$memfit" train "${small[@]}" "${pinned[@]}" --steps 8 --budget 64MiB --resume "$dir/corrupt"
 one_line_error "not 'gpt: 3 layers" "$memfit" train --layers 3 --d-model 64 --heads 4 --seq 32 --batch 8 --no-progress "${pinned[@]}" --steps 8 --budget 64MiB --resume "$dir/state"
 one_line_error "smallest budget that works is" "$memfit" train "${small[@]}" --steps 2 --budget 1MiB

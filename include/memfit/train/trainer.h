@@ -36,6 +36,7 @@
 #include "memfit/plan/rank_states.h"
 #include "memfit/runtime/step.h"
 #include "memfit/runtime/workload.h"
+#include "memfit/techniques/rng.h"
 #include "memfit/train/distributed.h"
 
 namespace memfit {
@@ -89,6 +90,7 @@ struct TrainSummary {
   int zero_stage = 0;
   std::vector<RankState> ranks;     // every rank's state bytes (gathered on every rank)
   double seconds = 0;               // the training loop, wall clock
+  bool interrupted = false;         // stopped early on request (stop_signal.h), state saved if saving
   nlohmann::json json() const;      // the {"type": "summary", ...} line
 };
 
@@ -101,7 +103,8 @@ class Trainer {
   Trainer(const Trainer&) = delete;
   Trainer& operator=(const Trainer&) = delete;
 
-  // set_up, plan, step after step (evaluating and saving as the options say), summarize.
+  // set_up, plan, step after step (evaluating and saving as the options say, stopping early
+  // after a step when stop_requested(): stop_signal.h), summarize.
   TrainSummary run();
 
   void set_up();
@@ -125,6 +128,8 @@ class Trainer {
   void update(bool last_step);
   void replan_after_oom(int64_t smallest_ok);
   void record(int64_t step, double loss, double seconds);
+  bool stop_agreed();
+  [[noreturn]] void stop_on_nonfinite_loss(int64_t step, double loss, const RngState& rng_at_start);
 
   std::unique_ptr<TrainerState> impl_;
 };
