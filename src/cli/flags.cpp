@@ -46,7 +46,7 @@ void add_step_flags(CLI::App& app, StepFlags& f, bool planned) {
 Workload build_workload(WorkloadFlags& f) {
   check_option(f.threads >= 0, "threads", f.threads, "expected >= 1 (0: all cores)");
   at::set_num_threads(f.threads > 0 ? f.threads : static_cast<int>(std::max(1u, std::thread::hardware_concurrency())));
-  if (f.layers != 0) f.model.gpt.layers = f.model.mlp.layers = f.layers;
+  if (f.layers) f.model.gpt.layers = f.model.mlp.layers = *f.layers;
   return make_workload(f.model);
 }
 

@@ -15,7 +15,7 @@ namespace memfit::cli {
 // The model, its shape and data: how the built-in workload is made.
 struct WorkloadFlags {
   ModelOptions model;
-  int64_t layers = 0;  // gpt: transformer layers; mlp: hidden layers (0 = the model's default)
+  std::optional<int64_t> layers;  // gpt: transformer layers; mlp: hidden layers (unset: the model's default)
   int threads = 0;     // LibTorch threads (0: all cores)
 };
 
