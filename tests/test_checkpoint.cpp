@@ -122,5 +122,25 @@ TEST(CheckpointTest, ParsesPlans) {
   }
 }
 
+// BatchNorm's running statistics count each batch once, recomputed or not (PyTorch's
+// checkpoint updates them a second time in the recompute); gradients stay bit-equal.
+TEST(CheckpointTest, RecomputeDoesNotUpdateBuffersTwice) {
+  auto run = [](const CheckpointPlan& plan) {
+    torch::manual_seed(5);
+    auto chain = std::make_shared<Chain>();
+    chain->add("a", torch::nn::Sequential(torch::nn::Linear(8, 16), torch::nn::BatchNorm1d(16), torch::nn::ReLU()).ptr());
+    chain->add("b", torch::nn::Sequential(torch::nn::Linear(16, 16), torch::nn::BatchNorm1d(16)).ptr());
+    chain->forward(torch::randn({32, 8}), plan).pow(2).mean().backward();
+    std::vector<at::Tensor> state;
+    for (const auto& b : chain->buffers()) state.push_back(b.clone());
+    for (const auto& g : test::grads_of(*chain)) state.push_back(g);
+    return state;
+  };
+  const auto plain = run(CheckpointPlan::none());
+  const auto recomputed = run(CheckpointPlan::all(2));
+  ASSERT_EQ(plain.size(), recomputed.size());
+  for (size_t i = 0; i < plain.size(); ++i) EXPECT_TRUE(plain[i].equal(recomputed[i])) << "buffer or gradient " << i;
+}
+
 }  // namespace
 }  // namespace memfit

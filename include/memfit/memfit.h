@@ -29,6 +29,7 @@
 #include "memfit/runtime/optimizer.h"
 #include "memfit/runtime/step.h"
 #include "memfit/runtime/step_config.h"
+#include "memfit/runtime/torchscript.h"
 #include "memfit/runtime/workload.h"
 
 // plan/: profiles, the checkpoint-schedule DP, the planner, verification, per-rank state.

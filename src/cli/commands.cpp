@@ -125,8 +125,11 @@ int run_report_command(WorkloadFlags& wf, const StepFlags& sf, const ReportFlags
   w.chain->to(o.step.device);
   Report r = run_report(w, o);
   if (f.json) {
-    std::cout << report_json(r).dump(2) << "\n";
+    nlohmann::json j = report_json(r);
+    j["notes"] = w.notes;
+    std::cout << j.dump(2) << "\n";
   } else {
+    for (const auto& n : w.notes) fmt::print("note: {}\n", n);
     print_report_peak(r);
     print_report_states(r);
   }
@@ -141,9 +144,13 @@ int run_plan_command(WorkloadFlags& wf, const StepFlags& sf, const PlanFlags& f)
   check_option(!f.budget.empty(), "budget", "(none)", "a budget is required, e.g. --budget 300MiB");
   PlanRequest request;
   request.budget_bytes = parse_budget(f.budget);
+  Workload w = build_workload(wf);
   auto tracker = std::make_shared<MemoryTracker>();
   TrackerScope scope(tracker);
-  Workload w = build_workload(wf);
+  adopt_tensors(*tracker, w.chain->parameters());
+  adopt_tensors(*tracker, w.chain->buffers());
+  // What else the budget counts (the user's data tensors): planned for, and measured with.
+  request.resident_bytes = std::max<int64_t>(0, BudgetAllocator::install().allocated() - tracker->current());
   request.step = step_config(sf, w.chain->size());
   request.checkpoint = pinned_checkpoint(sf.checkpoint, w.chain->size());
   const auto precisions = precision_candidates(sf.precision, request.step.device.type());
@@ -159,6 +166,7 @@ int run_plan_command(WorkloadFlags& wf, const StepFlags& sf, const PlanFlags& f)
   const bool verified = f.verify && plan.feasible;
   if (verified) v = verify_plan(w, planner, plan, *tracker, /*measure_plain=*/true);
   nlohmann::json j = verified ? verified_plan_json(plan, v) : plan_json(plan);
+  for (const auto& n : w.notes) j["notes"].push_back(n);
   j["profile_seconds"] = profile_s;
   j["solve_seconds"] = solve_s;
   if (f.json) {

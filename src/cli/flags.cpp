@@ -2,6 +2,7 @@
 
 #include <torch/torch.h>
 
+#include <filesystem>
 #include <map>
 #include <sstream>
 #include <thread>
@@ -9,13 +10,16 @@
 namespace memfit::cli {
 
 void add_workload_flags(CLI::App& app, WorkloadFlags& f) {
-  app.add_option("--model", f.model.model, "gpt | cnn | mlp")->capture_default_str();
+  app.add_option("--model", f.model.model, "gpt | cnn | mlp | FILE (a TorchScript module; needs --data)")->capture_default_str();
   app.add_option("--layers", f.layers, "gpt: transformer layers (8); mlp: hidden layers (4)");
   app.add_option("--d-model", f.model.gpt.d_model, "gpt: model width")->capture_default_str();
   app.add_option("--heads", f.model.gpt.heads, "gpt: attention heads (must divide --d-model)")->capture_default_str();
   app.add_option("--dropout", f.model.gpt.dropout, "gpt: dropout probability")->capture_default_str();
   app.add_option("--seq", f.model.gpt.seq, "gpt: sequence length in characters")->capture_default_str();
-  app.add_option("--data", f.model.data_file, "gpt: a text file to train on instead of the Bible");
+  app.add_option("--data", f.model.data_file,
+                 "gpt: a text file instead of the Bible; a TorchScript model: torch.save({\"inputs\": X, \"targets\": Y})");
+  app.add_option("--loss", f.loss, "a TorchScript model's loss: cross-entropy | mse | model (its forward(inputs, targets))")
+      ->capture_default_str();
   app.add_option("--blocks", f.model.cnn.blocks, "cnn: residual blocks")->capture_default_str();
   app.add_option("--channels", f.model.cnn.channels, "cnn: channels")->capture_default_str();
   app.add_option("--width", f.model.mlp.width, "mlp: hidden width")->capture_default_str();
@@ -46,8 +50,19 @@ void add_step_flags(CLI::App& app, StepFlags& f, bool planned) {
 Workload build_workload(WorkloadFlags& f) {
   check_option(f.threads >= 0, "threads", f.threads, "expected >= 1 (0: all cores)");
   at::set_num_threads(f.threads > 0 ? f.threads : static_cast<int>(std::max(1u, std::thread::hardware_concurrency())));
-  if (f.layers) f.model.gpt.layers = f.model.mlp.layers = *f.layers;
-  return make_workload(f.model);
+  const std::string& model = f.model.model;
+  if (model == "gpt" || model == "cnn" || model == "mlp") {
+    if (f.layers) f.model.gpt.layers = f.model.mlp.layers = *f.layers;
+    return make_workload(f.model);
+  }
+  check_option(std::filesystem::is_regular_file(model), "model", "'" + model + "'",
+               "expected gpt, cnn, mlp or a TorchScript file");
+  ScriptWorkloadOptions o;
+  o.model_file = model;
+  o.data_file = f.model.data_file;
+  o.loss = parse_loss_kind(f.loss);
+  o.seed = f.model.seed;
+  return load_script_workload(o);
 }
 
 c10::Device parse_device(const std::string& text) {
@@ -104,7 +119,7 @@ std::string flag_message(const OptionError& e) {
       {"distributed.world_size", "--world-size"}, {"distributed.rank", "--rank"}, {"distributed.master", "--master"},
       {"distributed.timeout", "--dist-timeout"}, {"save_every", "--save-every"}, {"eval_every", "--eval-every"},
       {"eval_batches", "--eval-batches"}, {"inject_oom", "--inject-oom"}, {"json_log", "--json-log"},
-      {"dump_weights", "--dump-weights"}};
+      {"dump_weights", "--dump-weights"}, {"data", "--data"}, {"loss", "--loss"}};
   const auto it = flags.find(e.option());
   if (it == flags.end()) return e.what();
   return "invalid " + it->second + " " + e.value() + ": " + e.expected();

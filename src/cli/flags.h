@@ -15,6 +15,7 @@ namespace memfit::cli {
 // The model, its shape and data: how the built-in workload is made.
 struct WorkloadFlags {
   ModelOptions model;
+  std::string loss = "cross-entropy";  // a TorchScript model's loss: cross-entropy | mse | model
   std::optional<int64_t> layers;  // gpt: transformer layers; mlp: hidden layers (unset: the model's default)
   int threads = 0;     // LibTorch threads (0: all cores)
 };
@@ -38,7 +39,8 @@ void add_workload_flags(CLI::App& app, WorkloadFlags& flags);
 // `planned`: plan and train, whose precision and checkpoint default to auto (chosen).
 void add_step_flags(CLI::App& app, StepFlags& flags, bool planned);
 
-// Applies --threads and --layers, then builds the workload (seeded).
+// Applies --threads and --layers, then builds the workload: a built-in one (seeded), or the
+// user's TorchScript file with its --data file and --loss.
 Workload build_workload(WorkloadFlags& flags);
 c10::Device parse_device(const std::string& text);
 OptimizerSpec optimizer_spec(const StepFlags& flags);

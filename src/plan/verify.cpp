@@ -57,7 +57,7 @@ Verification verify_plan(Workload& w, const Planner& planner, Plan& plan, Memory
         zero_grad(w.chain->parameters(), true);
       }
     }
-    v.measured_peak = peak;
+    v.measured_peak = peak > 0 ? peak + planner.request().resident_bytes : 0;  // the budget counts them too
     if (!oom || v.attempts >= 3) {
       if (oom) v.notes.push_back("the plan still ran out of memory after 3 attempts");
       break;

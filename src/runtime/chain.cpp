@@ -108,6 +108,14 @@ std::vector<at::Tensor> Chain::block_parameters(int first, int last) const {
   return out;
 }
 
+std::vector<at::Tensor> Chain::block_buffers(int first, int last) const {
+  std::vector<at::Tensor> out;
+  for (int i = first; i <= last; ++i) {
+    for (const auto& b : block(i).module->buffers()) out.push_back(b);
+  }
+  return out;
+}
+
 at::Tensor Chain::run_blocks(const at::Tensor& input, int first, int last) {
   at::Tensor x = input;
   for (int i = first; i <= last; ++i) {
@@ -128,7 +136,7 @@ at::Tensor Chain::forward(const at::Tensor& input, const CheckpointPlan& plan) {
     // The tag is set inside the block function too, so recomputed bytes carry block indices.
     const int f = first, l = last;
     x = checkpoint([this, f, l](const at::Tensor& in) { return run_blocks(in, f, l); }, x,
-                   block_parameters(first, last));
+                   block_parameters(first, last), block_buffers(first, last));
     next = last + 1;
   }
   if (next < size()) x = run_blocks(x, next, size() - 1);

@@ -19,6 +19,25 @@ struct CheckpointState : torch::CustomClassHolder {
   RngState rng;  // CPU's, and the input's CUDA device's when it lives there
   AutocastState autocast;
   std::vector<at::Tensor> params;  // the parameters themselves (leaves: no copy is made)
+  std::vector<at::Tensor> buffers;  // updated in place by the block (BatchNorm statistics)
+};
+
+// Puts buffers back, at the end of a scope, to their values at its start: the recompute runs
+// the block a second time, and its running statistics must count the batch once.
+class BufferGuard {
+ public:
+  explicit BufferGuard(const std::vector<at::Tensor>& buffers) : buffers_(buffers) {
+    at::NoGradGuard no_grad;
+    for (const auto& b : buffers_) saved_.push_back(b.clone());
+  }
+  ~BufferGuard() {
+    at::NoGradGuard no_grad;
+    for (size_t i = 0; i < buffers_.size(); ++i) buffers_[i].copy_(saved_[i]);
+  }
+
+ private:
+  const std::vector<at::Tensor>& buffers_;
+  std::vector<at::Tensor> saved_;
 };
 
 class CheckpointFunction : public torch::autograd::Function<CheckpointFunction> {
@@ -39,6 +58,8 @@ class CheckpointFunction : public torch::autograd::Function<CheckpointFunction> 
         ctx->saved_data["state"].toCapsule());
     const std::vector<at::Tensor>& params = state->params;
 
+    // Until the recomputed graph is differentiated (BatchNorm's backward reads its statistics).
+    BufferGuard buffers(state->buffers);
     at::Tensor x = input.detach();
     x.requires_grad_(input.requires_grad());
     at::Tensor y;
@@ -77,7 +98,7 @@ class CheckpointFunction : public torch::autograd::Function<CheckpointFunction> 
 
 }  // namespace
 
-at::Tensor checkpoint(BlockFn block, const at::Tensor& input, at::TensorList params) {
+at::Tensor checkpoint(BlockFn block, const at::Tensor& input, at::TensorList params, std::vector<at::Tensor> buffers) {
   if (!at::GradMode::is_enabled()) return block(input);  // nothing to save in evaluation
 
   auto state = c10::make_intrusive<CheckpointState>();
@@ -85,6 +106,7 @@ at::Tensor checkpoint(BlockFn block, const at::Tensor& input, at::TensorList par
   state->rng = capture_rng(input.device());
   state->autocast = AutocastState::capture();
   state->params = params.vec();
+  state->buffers = std::move(buffers);
   return CheckpointFunction::apply(input, params, state);
 }
 

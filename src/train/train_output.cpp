@@ -86,6 +86,7 @@ void print_header(TrainerState& t) {
   t.out << "  " << parameter_count(*t.w.chain) << " parameters (" << format_bytes(parameter_bytes(*t.w.chain))
         << "), batch " << t.o.batch << ", " << t.o.optimizer.describe() << ", " << at::get_num_threads()
         << " threads, " << t.o.device.str() << "\n";
+  for (const auto& n : t.w.notes) t.out << "  note: " << n << "\n";
   if (!t.sdp) return;
   const int64_t stepped = t.sdp->zero_stage() > 0 ? t.sdp->owned_bytes() : t.sdp->parameter_bytes();
   t.out << "  rank " << t.sdp->rank() << " of " << t.sdp->world_size() << " (" << t.context->backend_name() << " via "

@@ -425,6 +425,13 @@ void Trainer::save(int64_t step) {
   } else if (t.primary) {
     save_state(t.o.save_dir, *t.w.chain, *t.optimizer, meta, t.o.device);
   }
+  if (t.primary && t.w.save_model) {
+    // The trained model in its own format (TorchScript for a model that came as a file), for
+    // the user: written after the state, atomically, and not needed to resume.
+    const std::string path = t.o.save_dir + "/model.pt";
+    t.w.save_model(path + ".tmp");
+    std::filesystem::rename(path + ".tmp", path);
+  }
 }
 
 // --- summary -------------------------------------------------------------------------------------

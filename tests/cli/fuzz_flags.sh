@@ -11,7 +11,8 @@
 # COUNT runs (default 40): the cases marked REFUSE (always run), then the others in an order
 # shuffled by MEMFIT_FUZZ_SEED (default 20240601, printed). `all` runs every case (a few
 # hundred: about 1 s each). Each run is held to MEMFIT_FUZZ_VMEM_KIB of virtual memory
-# (default 4 GiB: a hostile batch must fail, not swallow the machine).
+# (default 4 GiB: a hostile batch must fail, not swallow the machine; 0: no limit, for ASan
+# builds, which reserve terabytes of address space).
 set -u
 memfit=${1:?usage: fuzz_flags.sh MEMFIT [COUNT|all]}
 count=${2:-40}
@@ -37,7 +38,10 @@ cases() {
   for f in batch layers d-model heads seq steps; do
     local cmds=rpt
     [ "$f" = steps ] && cmds=rt
-    for v in $ints; do echo "$cmds|--$f|refuse|$v|"; done
+    for v in $ints; do
+      [ "$f" = steps ] && [ "$v" = 2147483648 ] && continue  # valid, only long
+      echo "$cmds|--$f|refuse|$v|"
+    done
   done
   for v in -1 1.5 1e3 inf nan abc _EMPTY_ 2147483648 18446744073709551616 99999999999999999999; do
     echo "rpt|--threads|refuse|$v|"
@@ -87,7 +91,6 @@ cases() {
   echo "rpt|--d-model|refuse|1000000000|"
   echo "rpt|--seq|refuse|100000000|"
   echo "rpt|--seq|refuse|9223372036854775807|"
-  echo "rpt|--batch|any|2147483648|"
   echo "rpt|--batch|any|9223372036854775807|"
   echo "rpt|--threads|any|100|"
   echo "rpt|--threads|any|2147483647|"
@@ -222,12 +225,12 @@ tiny=(--layers=1 --d-model=32 --heads=2 --seq=16 --batch=2 --threads=1)
 
 # Replaces --NAME=... in the array named by $1 with the word $2 (--NAME=VALUE), or appends it.
 set_flag() {
-  local -n args=$1
+  local -n _arr=$1
   local word=$2 name=${2%%=*} k
-  for k in "${!args[@]}"; do
-    if [ "${args[k]%%=*}" = "$name" ]; then args[k]=$word; return; fi
+  for k in "${!_arr[@]}"; do
+    if [ "${_arr[k]%%=*}" = "$name" ]; then _arr[k]=$word; return; fi
   done
-  args+=("$word")
+  _arr+=("$word")
 }
 
 pass=0; fail=0; n=0
@@ -251,7 +254,7 @@ for c in "${chosen[@]}"; do
     set_flag args "$word"
   done
   set_flag args "$flag=$value"
-  err=$( cd "$dir" && ulimit -v "$vmem_kib" && timeout 60 "$memfit" "${args[@]}" 2>&1 >/dev/null ); rc=$?
+  err=$( cd "$dir" && { [ "$vmem_kib" = 0 ] || ulimit -v "$vmem_kib"; } && timeout 60 "$memfit" "${args[@]}" 2>&1 >/dev/null ); rc=$?
   lines=$(printf '%s' "$err" | grep -c '')
   why=""
   case $rc in 0|1|2|130) ;; 124) why="timed out (60 s)" ;; *) why="exit $rc (a signal or an abort)" ;; esac

@@ -14,7 +14,7 @@
 namespace memfit {
 
 struct Verification {
-  int64_t measured_peak = 0;
+  int64_t measured_peak = 0;  // tracker peak + the request's resident bytes (0: it ran out of memory)
   double measured_seconds = 0;
   double plain_seconds = 0;   // the plain step of the whole batch, measured without a budget
   int attempts = 1;

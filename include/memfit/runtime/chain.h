@@ -65,6 +65,7 @@ class Chain : public torch::nn::Module {
   int size() const { return static_cast<int>(blocks_.size()); }
   const Block& block(int index) const { return blocks_.at(static_cast<size_t>(index)); }
   std::vector<at::Tensor> block_parameters(int first, int last) const;
+  std::vector<at::Tensor> block_buffers(int first, int last) const;
 
   // Runs all blocks, checkpointing the plan's segments; each block's allocations are tagged
   // with its index for the memory tracker.

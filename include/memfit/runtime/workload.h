@@ -14,6 +14,7 @@
 #include <functional>
 #include <memory>
 #include <string>
+#include <vector>
 
 #include "memfit/runtime/chain.h"
 #include "memfit/runtime/dataset.h"
@@ -31,6 +32,10 @@ struct Workload {
   LossFn loss;
   uint64_t seed = 0;           // the batch stream and dropout (the weights are the caller's)
   int64_t sample_tokens = 1;   // tokens per sample (seq for text), for throughput
+  std::vector<std::string> notes;  // said once when the workload is used (e.g. "runs as one block")
+  // Optional: writes the trained model to a file in the workload's own format (a TorchScript
+  // file for a model that came as one); the trainer writes DIR/model.pt with it on --save.
+  std::function<void(const std::string& path)> save_model;
 };
 
 // Throws memfit::OptionError unless chain (with at least one block), data and loss are set.

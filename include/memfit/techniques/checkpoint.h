@@ -12,17 +12,20 @@
 //   `input` does not require grad. Every tensor requiring grad that the block reads must be in
 //   `params` (usually module->parameters()); one that is not gets no gradient.
 // - Outside grad mode (evaluation) the block simply runs.
+// - `buffers` (BatchNorm's running statistics and the like) are updated once, by the forward:
+//   the recompute's second update is undone (PyTorch's checkpoint updates them twice).
 // Nested checkpoints work: a checkpointed block may itself checkpoint its parts.
 #pragma once
 
 #include <ATen/ATen.h>
 
 #include <functional>
+#include <vector>
 
 namespace memfit {
 
 using BlockFn = std::function<at::Tensor(const at::Tensor&)>;
 
-at::Tensor checkpoint(BlockFn block, const at::Tensor& input, at::TensorList params);
+at::Tensor checkpoint(BlockFn block, const at::Tensor& input, at::TensorList params, std::vector<at::Tensor> buffers = {});
 
 }  // namespace memfit
