@@ -85,6 +85,17 @@ print(f"  model.pt vs memfit's last weights: max abs output difference {diff:.3g
 assert diff <= 1e-6, diff
 PY
 
+# ZeRO 2 over 2 ranks (memfit launch) trains the same weights as one process.
+"$memfit" launch --nproc 2 -- train "${gpt[@]}" "${quiet[@]}" "${pinned[@]}" --steps 6 --zero 2 --dump-weights z.bin > z.out 2>&1 \
+  || bad "ZeRO 2 run: $(tail -3 z.out)"
+py w.bin z.bin <<'PY' && ok || bad "ZeRO 2 weights differ from one process"
+import array, math, sys
+a, b = (array.array("f", open(p, "rb").read()) for p in sys.argv[1:])
+assert len(a) == len(b) > 0
+rel = math.sqrt(sum((x - y) ** 2 for x, y in zip(a, b))) / math.sqrt(sum(x * x for x in a))
+assert rel <= 1e-5, rel
+PY
+
 # 4. A module that is not a Sequential runs as one block, with the note; --loss model works.
 "$memfit" train --model plain.pt --data gpt_data.pt --batch 16 "${quiet[@]}" --steps 3 > p.out 2>&1 \
   && grep -q "note: the model runs as one block: recomputation needs it exported as an nn.Sequential" p.out && ok \
