@@ -57,7 +57,12 @@ report() {
   if grep -qE 'ERROR: (Address|Leak)Sanitizer|runtime error:|SUMMARY: (Address|UndefinedBehavior)Sanitizer' "$log"; then
     findings=$((findings + 1)); fail=$((fail + 1))
     echo "FINDING in $name (${seconds} s):"
-    grep -m1 -A14 -E 'ERROR: (Address|Leak)Sanitizer|runtime error:' "$log" | sed 's/^/    /'
+    # The sanitizer's first line, its first frame, and the frames in this project's code.
+    grep -m1 -E 'ERROR: (Address|Leak)Sanitizer|runtime error:' "$log" | cut -c1-300 | sed 's/^\[  DEATH   \] //; s/^/    /'
+    grep -m1 -A40 -E 'ERROR: (Address|Leak)Sanitizer|runtime error:' "$log" | sed 's/^\[  DEATH   \] //' |
+      grep -E "^ *#0 |^ *#[0-9]+ .* $root/(src|include|tests)/" | head -6 |
+      awk '{loc = $NF; i = index($0, " in "); fn = substr($0, i + 4, length($0) - i - 3 - length(loc));
+            if (length(fn) > 70) fn = substr(fn, 1, 70) "..."; print "      " $1 " " loc "  " fn}'
   elif [ "$rc" != 0 ]; then
     fail=$((fail + 1))
     echo "FAILED: $name (exit $rc, ${seconds} s); last lines:"
@@ -84,15 +89,15 @@ echo "sanitize: built in $((SECONDS - t0)) s"
 tests="$build/tests/memfit_tests"
 memfit="$root/$build/memfit"
 
-# Unit tests: all but the planner's end-to-end runs (PlannerTest: real profiling and verified
-# plans, minutes under ASan; the planner's arithmetic is covered by PlanSearchTest and
-# ScheduleTest, its JSON by the fuzz tests), the distributed ones (DistributedTest: Gloo
-# threads and TCP rendezvous in uninstrumented libraries, timeouts that ASan's slowdown turns
-# flaky; cli.distributed covers them unsanitized) and the trainer's end to end (TrainerTest:
-# the CLI smoke below trains, saves, resumes and recovers from an OOM instead).
-filter=${SANITIZE_FILTER:-"-PlannerTest.*:DistributedTest.*:TrainerTest.*:Fuzz*"}
+# Unit tests: all but two whose assertions are about speed and resident memory, which ASan's
+# slowdown (2-5x) and its quarantine of freed blocks change: ScheduleTest's 48-block solve
+# "under two seconds" and TrainerTest's flat heap over many steps. The rest take about 80 s.
+filter=${SANITIZE_FILTER:-"-Fuzz*:ScheduleTest.FortyEightBlocksUnderTwoSecondsWithFineSlots:TrainerTest.HeapStaysFlatOverManySteps"}
 run "memfit_tests --gtest_filter=$filter" "$tests" --gtest_filter="$filter"
-run "fuzz tests (memfit_tests --gtest_filter=Fuzz*)" "$tests" --gtest_filter='Fuzz*'
+# The fuzz tests, one process each: a finding halts its process, not the others.
+for t in $("$tests" --gtest_list_tests --gtest_filter='Fuzz*' | awk '/^[^ ]/ {suite=$1} /^  / {print suite $1}'); do
+  run "$t" "$tests" --gtest_filter="$t"
+done
 
 # The CLI on a tiny GPT.
 smoke=$(mktemp -d "${TMPDIR:-/tmp}/memfit-sanitize-cli.XXXXXX")
@@ -121,6 +126,6 @@ run_fails "report --batch 18446744073709551616" "$memfit" report "${tiny[@]}" --
 # reserves terabytes of address space; max_allocation_size_mb bounds hostile sizes instead).
 run "flag fuzzer (16 cases)" env MEMFIT_FUZZ_VMEM_KIB=0 bash tests/cli/fuzz_flags.sh "$memfit" 16
 
-echo "sanitize: $((SECONDS - t0)) s after the build started; $(( $(date +%s) - start )) s in all; $findings sanitizer finding(s)"
+echo "sanitize: $(( $(date +%s) - start )) s in all; $findings sanitizer finding(s)"
 echo "sanitize: $pass passed, $fail failed"
 [ "$fail" -eq 0 ]

@@ -23,7 +23,9 @@ void add_workload_flags(CLI::App& app, WorkloadFlags& f) {
   app.add_option("--blocks", f.model.cnn.blocks, "cnn: residual blocks")->capture_default_str();
   app.add_option("--channels", f.model.cnn.channels, "cnn: channels")->capture_default_str();
   app.add_option("--width", f.model.mlp.width, "mlp: hidden width")->capture_default_str();
-  app.add_option("--seed", f.model.seed, "seed for weights, batches and dropout")->capture_default_str();
+  app.add_option("--seed", f.model.seed, "seed for weights, batches and dropout")
+      ->check(CLI::NonNegativeNumber)
+      ->capture_default_str();
   app.add_option("--threads", f.threads, "LibTorch threads (default: all cores)");
 }
 
@@ -50,6 +52,12 @@ void add_step_flags(CLI::App& app, StepFlags& f, bool planned) {
 Workload build_workload(WorkloadFlags& f) {
   check_option(f.threads >= 0, "threads", f.threads, "expected >= 1 (0: all cores)");
   at::set_num_threads(f.threads > 0 ? f.threads : static_cast<int>(std::max(1u, std::thread::hardware_concurrency())));
+  // Every shape given must be valid, also those of another model than the one chosen.
+  const std::pair<const char*, int64_t> shapes[] = {{"gpt.d_model", f.model.gpt.d_model}, {"gpt.heads", f.model.gpt.heads},
+                                                    {"gpt.seq", f.model.gpt.seq},         {"cnn.blocks", f.model.cnn.blocks},
+                                                    {"cnn.channels", f.model.cnn.channels}, {"mlp.width", f.model.mlp.width}};
+  for (const auto& [name, value] : shapes) check_option(value >= 1, name, value, "expected a positive integer");
+  if (f.layers) check_option(*f.layers >= 1, "gpt.layers", *f.layers, "expected a positive integer");
   const std::string& model = f.model.model;
   if (model == "gpt" || model == "cnn" || model == "mlp") {
     if (f.layers) f.model.gpt.layers = f.model.mlp.layers = *f.layers;

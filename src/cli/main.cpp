@@ -18,10 +18,16 @@ namespace {
 using namespace memfit;
 using namespace memfit::cli;
 
-CLI::App* add_report(CLI::App& app, WorkloadFlags& w, StepFlags& s, ReportFlags& f) {
-  CLI::App* cmd = app.add_subcommand("report", "run real training steps and show where the memory goes");
+// A subcommand with the shared workload and step flags.
+CLI::App* add_command(CLI::App& app, const char* name, const char* help, WorkloadFlags& w, StepFlags& s, bool planned) {
+  CLI::App* cmd = app.add_subcommand(name, help);
   add_workload_flags(*cmd, w);
-  add_step_flags(*cmd, s, /*planned=*/false);
+  add_step_flags(*cmd, s, planned);
+  return cmd;
+}
+
+CLI::App* add_report(CLI::App& app, WorkloadFlags& w, StepFlags& s, ReportFlags& f) {
+  CLI::App* cmd = add_command(app, "report", "run real training steps and show where the memory goes", w, s, false);
   cmd->add_option("--steps", f.steps, "training steps; the last is analysed")->capture_default_str();
   cmd->add_flag("--eval", f.eval, "inference only (InferenceMode)");
   cmd->add_flag("--json", f.json, "exact JSON (bytes as integers) instead of a table");
@@ -33,9 +39,7 @@ CLI::App* add_report(CLI::App& app, WorkloadFlags& w, StepFlags& s, ReportFlags&
 }
 
 CLI::App* add_plan(CLI::App& app, WorkloadFlags& w, StepFlags& s, PlanFlags& f) {
-  CLI::App* cmd = app.add_subcommand("plan", "choose micro-batch, precision and recomputed blocks for a budget");
-  add_workload_flags(*cmd, w);
-  add_step_flags(*cmd, s, /*planned=*/true);
+  CLI::App* cmd = add_command(app, "plan", "choose micro-batch, precision and recomputed blocks for a budget", w, s, true);
   cmd->add_option("--budget", f.budget, "memory budget: 512MiB, 1.5GiB, 800MB, 1e9 or bytes")->required();
   cmd->add_flag("--json", f.json, "JSON output");
   cmd->add_flag("!--no-verify", f.verify, "predict only; do not run real steps");
@@ -45,9 +49,7 @@ CLI::App* add_plan(CLI::App& app, WorkloadFlags& w, StepFlags& s, PlanFlags& f) 
 CLI::App* add_train(CLI::App& app, WorkloadFlags& w, StepFlags& s, TrainFlags& f) {
   TrainOptions& o = f.options;
   o.report_html = "memfit-report.html";
-  CLI::App* cmd = app.add_subcommand("train", "train under a hard memory budget with an automatic plan");
-  add_workload_flags(*cmd, w);
-  add_step_flags(*cmd, s, /*planned=*/true);
+  CLI::App* cmd = add_command(app, "train", "train under a hard memory budget with an automatic plan", w, s, true);
   cmd->add_option("--budget", f.budget,
                   "memory budget: 512MiB, 1.5GiB, 800MB, 1e9 or bytes (default: halfway between the smallest plan and the plain step)");
   cmd->add_option("--steps", o.steps, "train until this step (counted from the start, resumes included)")->capture_default_str();

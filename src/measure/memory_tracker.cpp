@@ -1,5 +1,7 @@
 #include "memfit/measure/memory_tracker.h"
 
+#include <utility>
+
 #include <algorithm>
 
 namespace memfit {
@@ -106,9 +108,10 @@ Phase MemoryTracker::phase() const {
   return phase_;
 }
 
-void MemoryTracker::set_phase(Phase phase) {
+Phase MemoryTracker::set_phase(Phase phase) {
   std::lock_guard<std::mutex> lock(mutex_);
-  if (phase == phase_) return;
+  const Phase previous = phase_;
+  if (phase == phase_) return previous;
   const auto now = std::chrono::steady_clock::now();
   phase_ns_[static_cast<int>(phase_)] +=
       std::chrono::duration_cast<std::chrono::nanoseconds>(now - phase_since_).count();
@@ -117,6 +120,7 @@ void MemoryTracker::set_phase(Phase phase) {
   // Live bytes at the moment a phase starts belong to that phase's peak too.
   for (int d = 0; d < kNumMemoryDevices; ++d) note_live_locked(static_cast<MemoryDevice>(d));
   if (recording_) marks_.push_back(PhaseMark{events_.size(), now_ns(), phase});
+  return previous;
 }
 
 int64_t MemoryTracker::phase_time_ns(Phase phase) const {
@@ -140,9 +144,9 @@ int16_t MemoryTracker::block() const {
   return block_;
 }
 
-void MemoryTracker::set_block(int16_t block) {
+int16_t MemoryTracker::set_block(int16_t block) {
   std::lock_guard<std::mutex> lock(mutex_);
-  block_ = block;
+  return std::exchange(block_, block);
 }
 
 void MemoryTracker::start_recording() {
@@ -184,9 +188,7 @@ TrackerScope::TrackerScope(std::shared_ptr<MemoryTracker> tracker)
     : guard_(c10::DebugInfoKind::PROFILER_STATE, std::move(tracker)) {}
 
 PhaseGuard::PhaseGuard(Phase phase) : tracker_(MemoryTracker::active()) {
-  if (tracker_ == nullptr) return;
-  previous_ = tracker_->phase();
-  tracker_->set_phase(phase);
+  if (tracker_ != nullptr) previous_ = tracker_->set_phase(phase);
 }
 
 PhaseGuard::~PhaseGuard() {
@@ -194,9 +196,7 @@ PhaseGuard::~PhaseGuard() {
 }
 
 BlockTagGuard::BlockTagGuard(int16_t block) : tracker_(MemoryTracker::active()) {
-  if (tracker_ == nullptr) return;
-  previous_ = tracker_->block();
-  tracker_->set_block(block);
+  if (tracker_ != nullptr) previous_ = tracker_->set_block(block);
 }
 
 BlockTagGuard::~BlockTagGuard() {

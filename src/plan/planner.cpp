@@ -7,6 +7,7 @@
 
 #include "memfit/errors.h"
 #include "memfit/measure/size.h"
+#include "runtime/json_fields.h"
 
 namespace memfit {
 
@@ -235,18 +236,24 @@ nlohmann::json plan_json(const Plan& p) {
 }
 
 Plan plan_from_json(const nlohmann::json& j, int blocks) {
+  namespace jf = json_fields;
   Plan p;
-  p.budget_bytes = j.at("budget_bytes").get<int64_t>();
-  p.feasible = j.at("feasible").get<bool>();
-  p.floor_bytes = j.at("floor_bytes").get<int64_t>();
-  if (p.feasible) p.config = step_config_from_json(j.at("config"), blocks);
-  p.checkpoint_pinned = j.at("checkpoint_pinned").get<bool>();
-  p.predicted_peak = j.at("predicted").at("peak_bytes").get<int64_t>();
-  p.predicted_seconds = j.at("predicted").at("seconds").get<double>();
-  p.baseline_precision = parse_precision(j.at("plain").at("precision").get<std::string>());
-  p.plain_predicted_peak = j.at("plain").at("predicted_peak_bytes").get<int64_t>();
-  p.plain_predicted_seconds = j.at("plain").at("predicted_seconds").get<double>();
-  p.notes = j.at("notes").get<std::vector<std::string>>();
+  p.budget_bytes = jf::integer(j, "budget_bytes");
+  p.feasible = jf::boolean(j, "feasible");
+  p.floor_bytes = jf::integer(j, "floor_bytes");
+  if (p.feasible) p.config = step_config_from_json(jf::field(j, "config"), blocks);
+  p.checkpoint_pinned = jf::boolean(j, "checkpoint_pinned");
+  const auto& predicted = jf::field(j, "predicted");
+  p.predicted_peak = jf::integer(predicted, "peak_bytes");
+  p.predicted_seconds = jf::number(predicted, "seconds");
+  const auto& plain = jf::field(j, "plain");
+  p.baseline_precision = parse_precision(jf::text(plain, "precision"));
+  p.plain_predicted_peak = jf::integer(plain, "predicted_peak_bytes");
+  p.plain_predicted_seconds = jf::number(plain, "predicted_seconds");
+  for (const auto& note : jf::array(j, "notes")) {
+    if (!note.is_string()) throw std::invalid_argument("JSON: 'notes' must hold strings");
+    p.notes.push_back(note.get<std::string>());
+  }
   return p;
 }
 

@@ -14,6 +14,7 @@
 #include <iterator>
 #include <limits>
 #include <stdexcept>
+#include <optional>
 #include <string>
 #include <utility>
 #include <vector>
@@ -675,27 +676,24 @@ std::string render_phase_table(const std::vector<Phase>& phases) {
     std::string name;
     int segments = 0;
     double duration_us = 0;
-    bool has_peak = false;
-    int64_t peak_bytes = 0;
+    std::optional<int64_t> peak_bytes;  // none: no phase of this name had a peak
   };
   std::vector<Summary> summaries;
   for (const Phase& phase : phases) {
     auto it = std::find_if(summaries.begin(), summaries.end(), [&](const Summary& s) { return s.name == phase.name; });
-    if (it == summaries.end()) it = summaries.insert(summaries.end(), Summary{phase.name});
+    if (it == summaries.end()) it = summaries.insert(summaries.end(), Summary{phase.name, 0, 0, std::nullopt});
     it->segments += 1;
     it->duration_us += phase.end_us - phase.start_us;
-    if (phase.has_peak) {
-      it->peak_bytes = it->has_peak ? std::max(it->peak_bytes, phase.peak_bytes) : phase.peak_bytes;
-      it->has_peak = true;
-    }
+    if (phase.has_peak) it->peak_bytes = std::max(it->peak_bytes.value_or(phase.peak_bytes), phase.peak_bytes);
   }
   std::string out = R"(<table class="data-table phase-table"><thead><tr><th>Phase</th><th class="num">Segments</th>)"
                     R"(<th class="num">Time</th><th class="num">Peak</th><th class="num">Peak bytes</th></tr></thead><tbody>)";
   for (const Summary& s : summaries) {
     append(out, R"(<tr><td>{}</td><td class="num">{}</td><td class="num">{}</td><td class="num">{}</td>)"
                 R"(<td class="num mono">{}</td></tr>)",
-           escape_html(s.name), s.segments, format_ms(s.duration_us), s.has_peak ? escape_html(format_bytes(s.peak_bytes)) : "&ndash;",
-           s.has_peak ? std::to_string(s.peak_bytes) : "&ndash;");
+           escape_html(s.name), s.segments, format_ms(s.duration_us),
+           s.peak_bytes ? escape_html(format_bytes(*s.peak_bytes)) : "&ndash;",
+           s.peak_bytes ? std::to_string(*s.peak_bytes) : "&ndash;");
   }
   out += "</tbody></table>";
   return out;

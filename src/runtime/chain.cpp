@@ -18,7 +18,10 @@ CheckpointPlan CheckpointPlan::all(int blocks) {
 CheckpointPlan CheckpointPlan::every(int k, int blocks) {
   check_option(k >= 1, "checkpoint", "every:" + std::to_string(k), "expected a segment length K >= 1");
   CheckpointPlan plan;
-  for (int i = 0; i < blocks; i += k) plan.segments.emplace_back(i, std::min(i + k, blocks) - 1);
+  // 64-bit steps: i + k must not overflow for k and blocks near INT_MAX.
+  for (int64_t i = 0; i < blocks; i += k) {
+    plan.segments.emplace_back(static_cast<int>(i), static_cast<int>(std::min<int64_t>(i + k, blocks) - 1));
+  }
   return plan;
 }
 

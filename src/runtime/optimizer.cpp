@@ -6,6 +6,7 @@
 #include <sstream>
 
 #include "memfit/errors.h"
+#include "runtime/json_fields.h"
 
 namespace memfit {
 namespace {
@@ -33,10 +34,7 @@ ParamStateRecord read_adam_like(const State& s) {
 template <class State>
 std::unique_ptr<State> make_adam_like(const ParamStateRecord& r) {
   auto s = std::make_unique<State>();
-  s->step(r.step);
-  s->exp_avg(r.tensors.at(0));
-  s->exp_avg_sq(r.tensors.at(1));
-  s->max_exp_avg_sq(r.tensors.at(2));
+  s->step(r.step).exp_avg(r.tensors.at(0)).exp_avg_sq(r.tensors.at(1)).max_exp_avg_sq(r.tensors.at(2));
   return s;
 }
 
@@ -114,13 +112,15 @@ nlohmann::json optimizer_spec_json(const OptimizerSpec& s) {
 }
 
 OptimizerSpec optimizer_spec_from_json(const nlohmann::json& j) {
+  namespace jf = json_fields;
   OptimizerSpec s;
-  s.family = parse_optimizer_family(j.at("family").get<std::string>());
-  s.lr = j.at("lr").get<double>();
-  s.momentum = j.at("momentum").get<double>();
-  s.weight_decay = j.at("weight_decay").get<double>();
-  s.beta1 = j.at("betas").at(0).get<double>();
-  s.beta2 = j.at("betas").at(1).get<double>();
+  s.family = parse_optimizer_family(jf::text(j, "family"));
+  s.lr = jf::number(j, "lr");
+  s.momentum = jf::number(j, "momentum");
+  s.weight_decay = jf::number(j, "weight_decay");
+  const auto& betas = jf::array(j, "betas", 2);
+  s.beta1 = jf::value_number(betas[0], "betas");
+  s.beta2 = jf::value_number(betas[1], "betas");
   check_optimizer_spec(s);
   return s;
 }
@@ -153,23 +153,19 @@ std::unique_ptr<OptimizerParamState> make_param_state(OptimizerFamily family, co
   switch (family) {
     case OptimizerFamily::kAdamW: return make_adam_like<AdamWParamState>(r);
     case OptimizerFamily::kAdam: return make_adam_like<AdamParamState>(r);
-    case OptimizerFamily::kSGD: {
+    case OptimizerFamily::kSGD: {  // (torch::optim's setters chain)
       auto s = std::make_unique<SGDParamState>();
       s->momentum_buffer(r.tensors[0]);
       return s;
     }
     case OptimizerFamily::kRMSprop: {
       auto s = std::make_unique<RMSpropParamState>();
-      s->step(r.step);
-      s->square_avg(r.tensors[0]);
-      s->momentum_buffer(r.tensors[1]);
-      s->grad_avg(r.tensors[2]);
+      s->step(r.step).square_avg(r.tensors[0]).momentum_buffer(r.tensors[1]).grad_avg(r.tensors[2]);
       return s;
     }
     case OptimizerFamily::kAdagrad: {
       auto s = std::make_unique<AdagradParamState>();
-      s->step(r.step);
-      s->sum(r.tensors[0]);
+      s->step(r.step).sum(r.tensors[0]);
       return s;
     }
   }

@@ -1,6 +1,7 @@
 #include "memfit/runtime/step_config.h"
 
 #include "memfit/errors.h"
+#include "runtime/json_fields.h"
 
 namespace memfit {
 
@@ -37,14 +38,23 @@ nlohmann::json step_config_json(const StepConfig& c) {
 }
 
 StepConfig step_config_from_json(const nlohmann::json& j, int blocks) {
+  namespace jf = json_fields;
   StepConfig c;
-  c.device = c10::Device(j.at("device").get<std::string>());
-  c.batch = j.at("batch").get<int64_t>();
-  c.micro_batch = j.at("micro_batch").get<int64_t>();
-  c.precision = parse_precision(j.at("precision").get<std::string>());
-  c.checkpoint.segments = j.at("segments").get<std::vector<std::pair<int, int>>>();
-  c.set_to_none = j.at("set_to_none").get<bool>();
-  c.optimizer = optimizer_spec_from_json(j.at("optimizer"));
+  try {
+    c.device = c10::Device(jf::text(j, "device"));
+  } catch (const c10::Error&) {
+    throw std::invalid_argument("JSON: 'device' must name a device, got " + jf::field(j, "device").dump());
+  }
+  c.batch = jf::integer(j, "batch", 1);
+  c.micro_batch = jf::integer(j, "micro_batch", 0);
+  c.precision = parse_precision(jf::text(j, "precision"));
+  for (const auto& segment : jf::array(j, "segments")) {
+    if (!segment.is_array() || segment.size() != 2) throw std::invalid_argument("JSON: 'segments' must hold [first, last] pairs");
+    c.checkpoint.segments.emplace_back(jf::integer({{"first", segment[0]}}, "first", 0, INT32_MAX),
+                                       jf::integer({{"last", segment[1]}}, "last", 0, INT32_MAX));
+  }
+  c.set_to_none = jf::boolean(j, "set_to_none");
+  c.optimizer = optimizer_spec_from_json(jf::field(j, "optimizer"));
   check_step_config(c, blocks);
   return c;
 }

@@ -11,6 +11,7 @@
 #include <stdexcept>
 
 #include "memfit/techniques/rng.h"
+#include "runtime/json_fields.h"
 
 namespace fs = std::filesystem;
 
@@ -46,9 +47,17 @@ class Sha256 {
 };
 
 std::string read_file(const fs::path& path) {
+  std::error_code ec;
+  if (!fs::is_regular_file(path, ec)) throw std::runtime_error("cannot resume: " + path.string() + " is not a file");
   std::ifstream in(path, std::ios::binary);
-  if (!in) throw std::runtime_error("cannot resume: cannot read " + path.string());
-  return std::string(std::istreambuf_iterator<char>(in), std::istreambuf_iterator<char>());
+  std::string bytes;
+  try {
+    bytes.assign(std::istreambuf_iterator<char>(in), std::istreambuf_iterator<char>());
+  } catch (const std::exception&) {
+    in.setstate(std::ios::badbit);
+  }
+  if (!in && !in.eof()) throw std::runtime_error("cannot resume: cannot read " + path.string());
+  return bytes;
 }
 
 // Writes `bytes` to PATH.tmp<pid>, flushes it to disk, renames it to PATH, and flushes the
@@ -90,27 +99,31 @@ std::string archive_bytes(const torch::nn::Module& model, torch::optim::Optimize
   return out.str();
 }
 
-// The manifest's one file entry, checked: the name is a plain file name in DIR.
+// The manifest's one file entry, checked: "state-<digits>.pt", a plain file name in DIR.
 fs::path manifest_file(const fs::path& dir, const nlohmann::json& manifest) {
-  const std::string name = manifest.at("files").at(0).at("name").get<std::string>();
-  if (name.empty() || name.find('/') != std::string::npos || name.rfind("state-", 0) != 0) {
-    throw std::runtime_error("names '" + name + "', not a state file");
+  const std::string name = json_fields::text(json_fields::array(manifest, "files", 1)[0], "name");
+  const bool digits = name.size() > 9 && name.find_first_not_of("0123456789", 6) == name.size() - 3;
+  if (name.rfind("state-", 0) != 0 || name.compare(name.size() - 3, 3, ".pt") != 0 || !digits) {
+    throw std::runtime_error("names a file that is not a state file: " + nlohmann::json(name).dump());
   }
   return dir / name;
 }
 
 nlohmann::json read_manifest(const fs::path& dir) {
   const fs::path path = dir / kManifest;
-  if (!fs::exists(path)) {
+  std::error_code ec;
+  if (!fs::exists(path, ec)) {
     const bool old_format = fs::exists(dir / "state.pt");
     throw std::runtime_error("cannot resume: no saved state in '" + dir.string() + "' (expected " + path.string() +
                              (old_format ? "; state.pt there was written by an older memfit without a manifest)" : ")"));
   }
   try {
     nlohmann::json manifest = nlohmann::json::parse(read_file(path));
+    if (json_fields::integer(manifest, "format") != 2) throw std::runtime_error("format " + manifest["format"].dump() + ", expected 2");
     manifest_file(dir, manifest);
-    manifest.at("files").at(0).at("bytes").get<int64_t>();
-    manifest.at("files").at(0).at("sha256").get<std::string>();
+    const auto& entry = manifest["files"][0];
+    json_fields::integer(entry, "bytes");
+    if (json_fields::text(entry, "sha256").size() != 64) throw std::runtime_error("a sha256 of 64 hex digits expected");
     return manifest;
   } catch (const std::exception& e) {
     std::string what = e.what();
@@ -173,7 +186,10 @@ SavedState SavedState::open(const fs::path& dir) {
   const nlohmann::json& entry = manifest["files"][0];
   SavedState s;
   s.file_ = manifest_file(dir, manifest);
-  if (!fs::exists(s.file_)) throw std::runtime_error("cannot resume: " + s.file_.string() + ", named in state.json, is missing");
+  std::error_code ec;
+  if (!fs::is_regular_file(s.file_, ec)) {
+    throw std::runtime_error("cannot resume: " + s.file_.string() + ", named in state.json, is missing");
+  }
   const std::string bytes = read_file(s.file_);
   if (static_cast<int64_t>(bytes.size()) != entry["bytes"].get<int64_t>() ||
       sha256_hex(bytes.data(), bytes.size()) != entry["sha256"].get<std::string>()) {

@@ -74,7 +74,7 @@ cases() {
   # Values that read as something else than written: the 0 of --layers means "the model's
   # default", a leading 0 is octal in CLI11's integer parsing, -1 wraps for an unsigned seed.
   echo "rpt|--layers|REFUSE|0|"
-  echo "rpt|--seed|refuse|-1|"
+  echo "rpt|--batch|REFUSE|18446744073709551616|"
   for f in batch layers steps seed; do
     for v in 010 0x10 0b11 +2 ' 2' '2 '; do
       local cmds=rpt
@@ -184,12 +184,14 @@ cases() {
   echo "t|--zero|REFUSE|3|"
   for v in 0 3 -1 _EMPTY_ 2147483648; do echo "r|--world-size|refuse|$v|--batch=2"; done
 
-  # Paths: where output cannot be written, or state cannot be read.
-  for v in @FILE@/x @FILE@ /dev/null /proc/version _EMPTY_; do echo "t|--save|refuse|$v|"; done
+  # Paths: where output cannot be written, or state cannot be read. Outputs only ever go under
+  # the run's own directory: memfit writes a temporary and renames it over the target, which
+  # as root replaces even a device such as /dev/full.
+  for v in @FILE@/x @FILE@ _EMPTY_; do echo "t|--save|refuse|$v|"; done
   for v in /nonexistent/state @SUB@ @FILE@ /dev/null @FILE@/x; do echo "t|--resume|refuse|$v|"; done
   echo "t|--resume|any|_EMPTY_|"
-  for v in @FILE@/x.jsonl @SUB@ /dev/full /proc/version /nonexistent/dir/log.jsonl; do echo "t|--json-log|refuse|$v|"; done
-  for v in @FILE@/x.html @SUB@ /dev/full /nonexistent/dir/r.html; do
+  for v in @FILE@/x.jsonl @SUB@ @DIR@/missing/log.jsonl; do echo "t|--json-log|refuse|$v|"; done
+  for v in @FILE@/x.html @SUB@ @DIR@/missing/r.html; do
     echo "t|--report|refuse|$v|"
     echo "r|--html|refuse|$v|"
   done

@@ -93,9 +93,9 @@ class MemoryTracker : public c10::MemoryReportingInfoBase {
 
   // --- context that each event is tagged with ---
   Phase phase() const;
-  void set_phase(Phase phase);
+  Phase set_phase(Phase phase);  // returns the previous phase
   int16_t block() const;
-  void set_block(int16_t block);
+  int16_t set_block(int16_t block);  // returns the previous block
 
   // --- time spent in each phase (the bottleneck profile), since creation or the last reset ---
   int64_t phase_time_ns(Phase phase) const;
