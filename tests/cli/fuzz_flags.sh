@@ -259,7 +259,12 @@ for c in "${chosen[@]}"; do
   err=$( cd "$dir" && { [ "$vmem_kib" = 0 ] || ulimit -v "$vmem_kib"; } && timeout 60 "$memfit" "${args[@]}" 2>&1 >/dev/null ); rc=$?
   lines=$(printf '%s' "$err" | grep -c '')
   why=""
-  case $rc in 0|1|2|130) ;; 124) why="timed out (60 s)" ;; *) why="exit $rc (a signal or an abort)" ;; esac
+  case $rc in
+    0|1|2|130) ;;
+    124) why="timed out (60 s)" ;;
+    126|127) why="exit $rc: could not run $memfit" ;;
+    *) if [ $rc -gt 128 ]; then why="killed by signal $((rc - 128))"; else why="exit $rc"; fi ;;
+  esac
   if [ -z "$why" ] && [ $rc -ne 0 ]; then
     if [ "$lines" -ne 1 ]; then why="stderr has $lines lines, expected one"
     elif [[ "$err" != "memfit: "* ]]; then why="stderr does not start with 'memfit: '"
