@@ -32,7 +32,7 @@ struct StepConfig {
   OptimizerSpec optimizer;
 
   int64_t micro_batch_size() const { return micro_batch > 0 ? micro_batch : batch; }
-  int64_t accumulation() const { return (batch + micro_batch_size() - 1) / micro_batch_size(); }
+  int64_t accumulation() const { return batch < 1 ? 0 : (batch - 1) / micro_batch_size() + 1; }  // no overflow
   // "micro-batch 4 x 4, bf16, recompute 1,3"
   std::string describe() const;
 };
