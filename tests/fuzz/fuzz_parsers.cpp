@@ -7,7 +7,8 @@
 // for JSON, a one-line std::runtime_error for saved state); nothing else, no crash, no hang.
 //
 // Bounded for CI (a few seconds in all). Environment:
-//   MEMFIT_FUZZ_ITERATIONS=N  iterations per target (default: each target's own, a few thousand)
+//   MEMFIT_FUZZ_ITERATIONS=N  iterations per target (default: each target's own, 2000 to 20000);
+//                             saved state makes N/100 variants of each random kind (at least 40)
 //   MEMFIT_FUZZ_SEED=S        one seed for every target instead of each target's fixed one
 // A failure prints the seed, the iteration and the input.
 #include <gtest/gtest.h>
@@ -678,7 +679,7 @@ std::vector<ZipRecord> zip_records(const std::string& z) {
 TEST(FuzzSavedState, OpenRefusesEveryCorruptedVariant) {
   const uint64_t seed = seed_of(0x5a7ed);
   TextGenerator gen(seed);
-  const int64_t random_per_kind = std::max<int64_t>(30, iterations(300) / 10);
+  const int64_t random_per_kind = std::max<int64_t>(40, iterations(4000) / 100);
   const fs::path root = fs::temp_directory_path() / ("memfit-fuzz-state-" + std::to_string(::getpid()));
   fs::remove_all(root);
   const fs::path original = root / "original";
