@@ -21,11 +21,12 @@ start=$(date +%s)
 # integer it does not fit (JSON numbers read as int64_t, sizes).
 sanitizers="-fsanitize=address,undefined,float-cast-overflow -fno-omit-frame-pointer"
 
-# LibTorch, OpenBLAS and libgomp are not instrumented: leak checking would report their caches
-# and thread pools (and cannot see memfit's own frees done inside LibTorch), so detect_leaks=0.
-# ASan's own checks (overflows, use after free, double free) still cover every allocation, the
-# uninstrumented libraries' included. A hostile size fails as a null malloc, not by swallowing
-# the machine: allocator_may_return_null with a 4 GiB cap per allocation.
+# LibTorch, OpenBLAS and libgomp are not instrumented: leak checking would report their caches,
+# registries and thread pools as leaks, so detect_leaks=0 (memfit's own leaks are watched by its
+# tests instead: LeakDetector, TrainerTest's flat heap). ASan checks every access memfit's code
+# makes, and its allocator sees every malloc/free (the libraries' too: double and bad frees);
+# accesses made inside the libraries are not checked. A hostile size fails as a null malloc
+# rather than swallowing the machine: allocator_may_return_null with a 4 GiB cap per allocation.
 export ASAN_OPTIONS="detect_leaks=0:halt_on_error=1:abort_on_error=0:exitcode=86:strict_init_order=1:check_initialization_order=1:detect_stack_use_after_return=0:allocator_may_return_null=1:max_allocation_size_mb=4096:print_summary=1"
 # halt_on_error: a UBSan finding ends the process (exit 86) instead of printing and going on.
 export UBSAN_OPTIONS="halt_on_error=1:print_stacktrace=1:exitcode=86:suppressions=$root/scripts/ubsan.supp"

@@ -50,7 +50,7 @@ void add_step_flags(CLI::App& app, StepFlags& f, bool planned) {
 }
 
 Workload build_workload(WorkloadFlags& f) {
-  check_option(f.threads >= 0, "threads", f.threads, "expected >= 1 (0: all cores)");
+  check_option(f.threads >= 0 && f.threads <= 1024, "threads", f.threads, "expected 1 to 1024 (0: all cores)");
   at::set_num_threads(f.threads > 0 ? f.threads : static_cast<int>(std::max(1u, std::thread::hardware_concurrency())));
   // Every shape given must be valid, also those of another model than the one chosen.
   const std::pair<const char*, int64_t> shapes[] = {{"gpt.d_model", f.model.gpt.d_model}, {"gpt.heads", f.model.gpt.heads},
@@ -76,7 +76,7 @@ Workload build_workload(WorkloadFlags& f) {
 c10::Device parse_device(const std::string& text) {
   try {
     const c10::Device device(text);
-    if (device.is_cpu() || device.is_cuda()) return device;
+    if ((device.is_cpu() && (!device.has_index() || device.index() == 0)) || device.is_cuda()) return device;
   } catch (const c10::Error&) {
   }
   throw OptionError("device", "'" + text + "'", "expected cpu, cuda or cuda:N");

@@ -82,7 +82,7 @@ void validate(const DistributedOptions& o) {
                "expected a positive number of seconds, at most a day (86400)");
   check_option(o.backend == "auto" || o.backend == "gloo" || o.backend == "nccl", "distributed.backend", o.backend,
                "expected auto, gloo or nccl");
-  if (o.world_size > 1) parse_master(o.master);
+  parse_master(o.master);  // checked even for one process: a typo should not wait for a second rank
 }
 
 // --- the process group ----------------------------------------------------------------------
