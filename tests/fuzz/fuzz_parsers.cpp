@@ -687,6 +687,11 @@ std::string thrown_in_child(const std::function<void()>& call, std::string* what
   std::fflush(stdout);
   std::fflush(stderr);
   const pid_t pid = ::fork();
+  if (pid < 0) {
+    ::close(pipe_fds[0]);
+    ::close(pipe_fds[1]);
+    return thrown_by(call, what);
+  }
   if (pid == 0) {
     ::close(pipe_fds[0]);
     ::alarm(20);
@@ -703,10 +708,9 @@ std::string thrown_in_child(const std::function<void()>& call, std::string* what
   ::close(pipe_fds[0]);
   int status = 0;
   ::waitpid(pid, &status, 0);
-  if (pid < 0 || !WIFEXITED(status) || WEXITSTATUS(status) != 0 || out.find('\n') == std::string::npos) {
-    *what = pid < 0 ? "fork failed"
-            : WIFSIGNALED(status) ? "signal " + std::to_string(WTERMSIG(status))
-                                  : "exit status " + std::to_string(WEXITSTATUS(status));
+  if (!WIFEXITED(status) || WEXITSTATUS(status) != 0 || out.find('\n') == std::string::npos) {
+    *what = WIFSIGNALED(status) ? "signal " + std::to_string(WTERMSIG(status))
+                                : "exit status " + std::to_string(WEXITSTATUS(status));
     return "crashed";
   }
   *what = out.substr(out.find('\n') + 1);
