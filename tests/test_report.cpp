@@ -19,7 +19,7 @@ TEST(ReportTest, StatesEqualParameterBytes) {
 TEST(ReportTest, PartsAtPeakSumToPeak) {
   Report r = gpt_report(8);
   const auto& p = r.analysis.at_peak;
-  EXPECT_EQ(p.weights + p.gradients + p.optimizer_state + p.activations + p.other, r.analysis.peak_bytes);
+  EXPECT_EQ(p.weights + p.buffers + p.gradients + p.optimizer_state + p.activations + p.other, r.analysis.peak_bytes);
   EXPECT_EQ(p.weights, r.parameter_bytes);
   EXPECT_EQ(p.optimizer_state, 2 * r.parameter_bytes);
   EXPECT_GT(p.activations, 0);
@@ -65,11 +65,38 @@ TEST(ReportTest, ImageModelsRunOnFashionMnist) {
     m.cnn.channels = 8;
     m.mlp.layers = 2;
     m.mlp.width = 64;
-    Report r = test::report_of(m, test::report_options(8, 2));
+    Workload w = make_workload(m);
+    int64_t buffer_bytes = 0;  // the CNN's BatchNorm statistics; the MLP has none
+    for (const auto& b : w.chain->buffers()) buffer_bytes += static_cast<int64_t>(b.nbytes());
+    Report r = run_report(w, test::report_options(8, 2));
     EXPECT_EQ(r.states.weights, r.parameter_bytes) << model;
+    EXPECT_EQ(r.states.buffers, buffer_bytes) << model;
+    EXPECT_EQ(r.analysis.at_peak.buffers, buffer_bytes) << model;
     EXPECT_EQ(r.analysis.at_peak.total(), r.analysis.peak_bytes) << model;
     EXPECT_TRUE(std::isfinite(r.loss)) << model;
   }
+}
+
+// A user's model with BatchNorm: its running statistics are the buffers category, exactly
+// their bytes, before and at the peak (not "other"), and the parts still add up.
+TEST(ReportTest, BuffersAreTheirOwnCategory) {
+  test::use_memfit_allocator();
+  torch::manual_seed(3);
+  Workload w;
+  w.name = "user-bn";
+  w.chain = std::make_shared<Chain>();
+  w.chain->add("a", torch::nn::Sequential(torch::nn::Linear(16, 64), torch::nn::BatchNorm1d(64), torch::nn::ReLU()).ptr());
+  w.chain->add("b", torch::nn::Sequential(torch::nn::Linear(64, 4), torch::nn::BatchNorm1d(4)).ptr());
+  w.data = std::make_shared<TensorDataset>(torch::randn({256, 16}), torch::randn({256, 4}), "regression");
+  w.loss = [](const at::Tensor& out, const at::Tensor& target) { return torch::mse_loss(out, target); };
+  // BatchNorm1d(64): running mean + var 2 x 64 fp32 + an int64 count; BatchNorm1d(4) likewise.
+  const int64_t buffer_bytes = (2 * 64 * 4 + 8) + (2 * 4 * 4 + 8);
+  Report r = run_report(w, test::report_options(32, 2));
+  EXPECT_EQ(r.states.buffers, buffer_bytes);
+  EXPECT_EQ(r.analysis.at_start.buffers, buffer_bytes);
+  EXPECT_EQ(r.analysis.at_peak.buffers, buffer_bytes);
+  EXPECT_EQ(r.analysis.at_peak.total(), r.analysis.peak_bytes);
+  EXPECT_EQ(r.states.weights, r.parameter_bytes);
 }
 
 TEST(ReportTest, DeterministicForASeed) {

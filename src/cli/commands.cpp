@@ -28,6 +28,7 @@ void print_report_peak(const Report& r) {
   const auto& p = a.at_peak;
   auto share = [&](int64_t v) { return a.peak_bytes ? 100.0 * static_cast<double>(v) / static_cast<double>(a.peak_bytes) : 0.0; };
   fmt::print("  {:<18}{}  {:5.1f}%\n", "weights", bytes_cell(p.weights), share(p.weights));
+  if (p.buffers > 0) fmt::print("  {:<18}{}  {:5.1f}%\n", "buffers", bytes_cell(p.buffers), share(p.buffers));
   fmt::print("  {:<18}{}  {:5.1f}%\n", "gradients", bytes_cell(p.gradients), share(p.gradients));
   fmt::print("  {:<18}{}  {:5.1f}%\n", "optimizer state", bytes_cell(p.optimizer_state), share(p.optimizer_state));
   fmt::print("  {:<18}{}  {:5.1f}%\n", "activations", bytes_cell(p.activations), share(p.activations));
@@ -39,8 +40,10 @@ void print_report_states(const Report& r) {
   const auto& a = r.analysis;
   if (!r.options.eval_only) {
     fmt::print("\nAfter backward + optimizer step:\n");
-    fmt::print("  {:<18}{}\n  {:<18}{}\n  {:<18}{}\n", "weights", bytes_cell(r.states.weights), "gradients",
-               bytes_cell(r.states.gradients), "optimizer state", bytes_cell(r.states.optimizer_state));
+    fmt::print("  {:<18}{}\n", "weights", bytes_cell(r.states.weights));
+    if (r.states.buffers > 0) fmt::print("  {:<18}{}\n", "buffers", bytes_cell(r.states.buffers));
+    fmt::print("  {:<18}{}\n  {:<18}{}\n", "gradients", bytes_cell(r.states.gradients), "optimizer state",
+               bytes_cell(r.states.optimizer_state));
     fmt::print("Live between steps: {}  (reserved on CPU: the same; memfit's allocator keeps no cache)\n",
                bytes_cell(r.between_steps_bytes));
     if (cuda_available()) {

@@ -15,11 +15,12 @@ void add_known(std::unordered_set<const void*>& set, const at::Tensor& t) {
   if (const void* p = storage_ptr(t)) set.insert(p);
 }
 
-enum class Cat : uint8_t { kWeights, kGradients, kOptimizer, kActivations, kOther, kAutocastCache };
+enum class Cat : uint8_t { kWeights, kBuffers, kGradients, kOptimizer, kActivations, kOther, kAutocastCache };
 
 void add(Categories& c, Cat cat, int64_t bytes) {
   switch (cat) {
     case Cat::kWeights: c.weights += bytes; break;
+    case Cat::kBuffers: c.buffers += bytes; break;
     case Cat::kGradients: c.gradients += bytes; break;
     case Cat::kOptimizer: c.optimizer_state += bytes; break;
     case Cat::kActivations: c.activations += bytes; break;
@@ -65,13 +66,14 @@ Survivors find_survivors(const MemoryTracker& tracker, MemoryDevice device) {
   return s;
 }
 
-// A storage is a weight, gradient or optimizer state only if it is the very allocation still
+// A storage is a weight, buffer, gradient or optimizer state only if it is the very allocation still
 // alive at the end of the step.
 Cat category(const void* ptr, const Alloc& a, const Survivors& s, const KnownStorage& known) {
   auto it = s.alive_id.find(ptr);
   const bool survives = it != s.alive_id.end() && it->second == a.id;
   if (survives) {
     if (known.weights.count(ptr)) return Cat::kWeights;
+    if (known.buffers.count(ptr)) return Cat::kBuffers;
     if (known.gradients.count(ptr)) return Cat::kGradients;
     if (known.optimizer_state.count(ptr)) return Cat::kOptimizer;
   }
@@ -171,13 +173,15 @@ void record_point(Replay& r, int64_t t_ns) {
 
 }  // namespace
 
-KnownStorage known_storage(const std::vector<at::Tensor>& parameters, const std::vector<at::Tensor>& optimizer_state) {
+KnownStorage known_storage(const std::vector<at::Tensor>& parameters, const std::vector<at::Tensor>& optimizer_state,
+                           const std::vector<at::Tensor>& buffers) {
   KnownStorage k;
   for (const auto& p : parameters) {
     add_known(k.weights, p);
     add_known(k.gradients, p.grad());
   }
   for (const auto& t : optimizer_state) add_known(k.optimizer_state, t);
+  for (const auto& b : buffers) add_known(k.buffers, b);
   return k;
 }
 
@@ -194,6 +198,7 @@ Categories classify_live(const MemoryTracker& tracker, const KnownStorage& known
   for (const auto& a : tracker.live_allocations()) {
     if (a.device != device) continue;
     if (known.weights.count(a.ptr)) c.weights += a.bytes;
+    else if (known.buffers.count(a.ptr)) c.buffers += a.bytes;
     else if (known.gradients.count(a.ptr)) c.gradients += a.bytes;
     else if (known.optimizer_state.count(a.ptr)) c.optimizer_state += a.bytes;
     else c.other += a.bytes;

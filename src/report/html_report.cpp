@@ -143,6 +143,7 @@ Category make_category(const std::string& key, size_t index) {
   };
   static const Known kKnown[] = {
       {"weights", "Weights", "#4e79a7"},
+      {"buffers", "Buffers", "#76b7b2"},
       {"gradients", "Gradients", "#f28e2b"},
       {"optimizer_state", "Optimizer state", "#59a14f"},
       {"activations", "Activations", "#e15759"},

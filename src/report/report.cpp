@@ -37,7 +37,7 @@ void report_step(Workload& w, torch::optim::Optimizer& optimizer, const ReportOp
     r.loss = eval_loss(w, batch, o.step.precision);
     if (!last) return;
     tracker.stop_recording();
-    r.analysis = analyze_step(tracker, known_storage(params, optimizer_state_tensors(optimizer)), w.chain->size());
+    r.analysis = analyze_step(tracker, known_storage(params, optimizer_state_tensors(optimizer), w.chain->buffers()), w.chain->size());
     return;
   }
   KnownStorage known;
@@ -45,7 +45,7 @@ void report_step(Workload& w, torch::optim::Optimizer& optimizer, const ReportOp
   so.after_optimizer = [&] {
     if (!last) return;
     tracker.stop_recording();
-    known = known_storage(params, optimizer_state_tensors(optimizer));
+    known = known_storage(params, optimizer_state_tensors(optimizer), w.chain->buffers());
     r.states = classify_live(tracker, known);
   };
   r.loss = train_step(w, optimizer, batch, so).loss;
@@ -87,7 +87,7 @@ Report run_report(Workload& w, const ReportOptions& o) {
 namespace {
 
 nlohmann::json categories_json(const Categories& c) {
-  return {{"weights", c.weights},         {"gradients", c.gradients},
+  return {{"weights", c.weights},         {"buffers", c.buffers},             {"gradients", c.gradients},
           {"optimizer_state", c.optimizer_state}, {"activations", c.activations},
           {"other", c.other},             {"autocast_cache", c.autocast_cache}};
 }
@@ -108,6 +108,7 @@ nlohmann::json report_json(const Report& r) {
   j["at_peak"] = categories_json(r.analysis.at_peak);
   j["at_start"] = categories_json(r.analysis.at_start);
   j["states"] = {{"weights", r.states.weights},
+                 {"buffers", r.states.buffers},
                  {"gradients", r.states.gradients},
                  {"optimizer_state", r.states.optimizer_state}};
   j["between_steps_bytes"] = r.between_steps_bytes;
@@ -155,13 +156,17 @@ nlohmann::json step_chart_document(const std::string& title, const std::string& 
   d["budget_bytes"] = nullptr;
   d["peak_bytes"] = a.peak_bytes;
   d["peak_time_us"] = a.peak_t_ns / 1000;
-  d["categories"] = {"weights", "gradients", "optimizer_state", "activations", "other"};
+  // Buffers get a band only where the model has some (BatchNorm's statistics), not a 0 B legend.
+  const bool has_buffers = a.at_start.buffers > 0 || a.at_peak.buffers > 0;
+  d["categories"] = has_buffers ? nlohmann::json{"weights", "buffers", "gradients", "optimizer_state", "activations", "other"}
+                                : nlohmann::json{"weights", "gradients", "optimizer_state", "activations", "other"};
   d["at_peak"] = categories_json(a.at_peak);
   nlohmann::json timeline = nlohmann::json::array();
   for (const auto& p : a.timeline) {
     timeline.push_back({{"t_us", p.t_ns / 1000},
                         {"phase", phase_name(p.phase)},
                         {"weights", p.live.weights},
+                        {"buffers", p.live.buffers},
                         {"gradients", p.live.gradients},
                         {"optimizer_state", p.live.optimizer_state},
                         {"activations", p.live.activations},

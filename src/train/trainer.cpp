@@ -299,7 +299,7 @@ void Trainer::update(bool last) {
   KnownStorage known;
   so.after_optimizer = [&] {  // this rank's state bytes, while gradients and optimizer state are all present
     if (t.tracker->recording()) t.tracker->stop_recording();
-    known = known_storage(t.params, optimizer_state_tensors(*t.optimizer));
+    known = known_storage(t.params, optimizer_state_tensors(*t.optimizer), t.w.chain->buffers());
     const Categories live = classify_live(*t.tracker, known);
     t.own_state = {live.weights, live.gradients, live.optimizer_state};
   };

@@ -7,7 +7,7 @@ json=$("$memfit" report --layers 2 --d-model 64 --heads 4 --seq 32 --batch 4 --s
 import json, sys
 j = json.loads(sys.argv[1])
 p = j["at_peak"]
-parts = p["weights"] + p["gradients"] + p["optimizer_state"] + p["activations"] + p["other"]
+parts = p["weights"] + p["buffers"] + p["gradients"] + p["optimizer_state"] + p["activations"] + p["other"]
 assert parts == j["peak_bytes"], (parts, j["peak_bytes"])
 assert j["states"]["weights"] == j["parameters"] * 4
 assert j["states"]["gradients"] == j["parameters"] * 4

@@ -29,6 +29,19 @@ assert names == ["0:Embed", "1:Block", "2:Block", "3:Block", "4:Head"], names
 assert all(b["activation_bytes"] > 0 for b in j["blocks"])
 PY
 
+# 1b. buffers (BatchNorm's running statistics) are their own category, exactly their bytes,
+#     and the categories still add up to the peak.
+"$memfit" report "${cnn[@]}" --json > cnn_report.json 2> err.txt || bad "report cnn: $(cat err.txt)"
+py cnn_report.json cnn.pt <<'PY' && ok || bad "buffers category of the TorchScript CNN"
+import json, sys, torch
+j = json.load(open(sys.argv[1])); m = torch.jit.load(sys.argv[2])
+buffers = sum(b.numel() * b.element_size() for b in m.buffers())
+assert buffers > 0
+assert j["states"]["buffers"] == buffers and j["at_peak"]["buffers"] == buffers, (j["states"], buffers)
+p = j["at_peak"]
+assert sum(p[k] for k in ("weights", "buffers", "gradients", "optimizer_state", "activations", "other")) == j["peak_bytes"]
+PY
+
 # 2. plan at 80/60/45% of the plain peak: measured <= budget, prediction within 5%.
 for model in gpt cnn; do
   args=(--model $model.pt --data ${model}_data.pt --batch 16)

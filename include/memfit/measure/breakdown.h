@@ -3,8 +3,9 @@
 // parts add up to the total.
 //
 // Categories are decided by storage identity, from the tracker's recorded events:
-// - weights, gradients, optimizer state: the storages of the parameters, of their .grad and of
-//   the optimizer's state tensors, as they are at the end of the step (an allocation counts
+// - weights, buffers, gradients, optimizer state: the storages of the parameters, of the
+//   modules' buffers (BatchNorm's running statistics and the like), of the parameters' .grad and
+//   of the optimizer's state tensors, as they are at the end of the step (an allocation counts
 //   only if it is the very one still alive at the end);
 // - activations: other allocations made in the forward or recompute phase (what forward keeps
 //   for backward, and forward's temporaries while they live);
@@ -26,21 +27,23 @@ namespace memfit {
 
 struct Categories {
   int64_t weights = 0;
+  int64_t buffers = 0;  // the modules' buffers: state that is not trained (running statistics)
   int64_t gradients = 0;
   int64_t optimizer_state = 0;
   int64_t activations = 0;
   int64_t other = 0;
   int64_t autocast_cache = 0;  // part of `other`: autocast's low-precision copies of weights
-  int64_t total() const { return weights + gradients + optimizer_state + activations + other; }
+  int64_t total() const { return weights + buffers + gradients + optimizer_state + activations + other; }
 };
 
 // Storages whose role is known, by data pointer.
 struct KnownStorage {
-  std::unordered_set<const void*> weights, gradients, optimizer_state;
+  std::unordered_set<const void*> weights, buffers, gradients, optimizer_state;
 };
-// The parameters, their current .grad, and the optimizer's state tensors (any family's:
-// runtime/optimizer.h's optimizer_state_tensors).
-KnownStorage known_storage(const std::vector<at::Tensor>& parameters, const std::vector<at::Tensor>& optimizer_state);
+// The parameters, their current .grad, the optimizer's state tensors (any family's:
+// runtime/optimizer.h's optimizer_state_tensors) and the modules' buffers (Chain::buffers()).
+KnownStorage known_storage(const std::vector<at::Tensor>& parameters, const std::vector<at::Tensor>& optimizer_state,
+                           const std::vector<at::Tensor>& buffers = {});
 
 // Counts the storage of tensors made before `tracker` was installed (a caller's model) as live.
 void adopt_tensors(MemoryTracker& tracker, const std::vector<at::Tensor>& tensors);
