@@ -70,7 +70,15 @@ from collections import OrderedDict
 
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--model", choices=["gpt", "cnn"], required=True)
+    p.add_argument("--model", choices=["gpt", "cnn", "script"], required=True,
+                   help="script: the user's model from --script/--data (see ScriptModel)")
+    p.add_argument("--script", help="script: the TorchScript file memfit trains")
+    p.add_argument("--data", help="script: torch.save({'inputs': X, 'targets': Y}) file")
+    p.add_argument("--loss", default="cross-entropy", choices=["cross-entropy", "mse", "model"],
+                   help="script: as memfit's --loss")
+    p.add_argument("--eager", help="script: FILE.py:FUNCTION building the same model as Python "
+                   "modules (eager); its weights are loaded from --script. Without it the "
+                   "TorchScript file itself runs, from Python")
     p.add_argument("--layers", type=int, default=8, help="GPT transformer layers")
     p.add_argument("--d-model", type=int, default=256, help="GPT width")
     p.add_argument("--heads", type=int, default=8, help="GPT attention heads")
@@ -97,6 +105,8 @@ def parse_args(argv=None):
     for name in ("layers", "d_model", "heads", "seq", "blocks", "channels", "batch", "threads", "steps"):
         if getattr(a, name) < 1:
             p.error("invalid --%s %d: expected a positive integer" % (name.replace("_", "-"), getattr(a, name)))
+    if a.model == "script" and not (a.script and a.data):
+        p.error("--model script needs --script FILE and --data FILE")
     if a.d_model % a.heads:
         p.error("--heads %d must divide --d-model %d" % (a.heads, a.d_model))
     return a
@@ -317,6 +327,47 @@ class FashionMnist:
         x = (x.float() / 255.0 - 0.2860) / 0.3530
         return x, torch.tensor(self.labels[idx], dtype=torch.long)
 
+class TensorData:
+    """--model script: the samples of a torch.save({"inputs", "targets"}) file, held in numpy
+    (outside the allocator, as memfit runs them outside the budget); the first 90% train, as
+    memfit's held-out share of 0.1."""
+
+    def __init__(self, path, seed):
+        d = torch.load(path)
+        n = d["inputs"].shape[0] - d["inputs"].shape[0] // 10
+        self.inputs, self.targets = d["inputs"][:n].numpy().copy(), d["targets"][:n].numpy().copy()
+        del d
+        self.rng = np.random.default_rng(seed)
+
+    def batch(self, b):
+        idx = self.rng.integers(0, len(self.inputs), size=b)
+        return torch.tensor(self.inputs[idx]), torch.tensor(self.targets[idx])
+
+
+def load_script_model(args):
+    """The user's model: the TorchScript file, or (--eager FILE.py:FUNCTION) the same model built
+    as Python modules with the file's weights and buffers."""
+    scripted = torch.jit.load(args.script)
+    if not args.eager:
+        return scripted
+    import importlib.util
+    path, func = args.eager.rsplit(":", 1)
+    spec = importlib.util.spec_from_file_location("user_model", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    model = getattr(module, func)()
+    model.load_state_dict(scripted.state_dict())
+    return model
+
+
+def script_loss(kind):
+    if kind == "cross-entropy":
+        return lambda out, y: F.cross_entropy(out.reshape(-1, out.shape[-1]), y.reshape(-1))
+    if kind == "mse":
+        return F.mse_loss
+    return None  # "model": forward(inputs, targets) is the loss
+
+
 # ----------------------------------------------------------------------------- training
 
 
@@ -329,6 +380,10 @@ class Trainer:
             self.model = make_gpt(self.data.vocab, args.layers, args.d_model, args.heads, args.seq,
                                   args.dropout)
             self.loss_fn = gpt_loss
+        elif args.model == "script":
+            self.data = TensorData(args.data, args.seed)
+            self.model = load_script_model(args)
+            self.loss_fn = script_loss(args.loss)
         else:
             self.data = FashionMnist(args.seed)
             self.model = make_cnn(args.blocks, args.channels)
@@ -337,7 +392,7 @@ class Trainer:
         self.params = list(self.model.parameters())
         self.opt = torch.optim.AdamW(self.params, lr=1e-3, foreach=False)
         self.segments = int(args.variant[9:]) if args.variant.startswith("ckpt_seq:") else 0
-        self.rest = self.model[1:]  # the blocks after the first, for checkpoint_sequential
+        self.rest = self.model[1:] if self.segments else None  # the blocks after the first
 
     def forward_loss(self, x, y):
         v = self.args.variant
@@ -347,6 +402,8 @@ class Trainer:
         if self.segments:
             h = self.model[0](x)  # requires grad: the reentrant checkpoint then back-props into it
             return self.loss_fn(checkpoint_sequential(self.rest, self.segments, h), y)
+        if self.loss_fn is None:
+            return self.model(x, y)
         return self.loss_fn(self.model(x), y)
 
     def step(self):
@@ -495,11 +552,14 @@ def main(args):
                   "dropout": args.dropout, "vocab": trainer.data.vocab,
                   "data": "random tokens" if args.vocab > 0 else
                   "KJV text, %d characters" % trainer.data.n_chars}
+    elif args.model == "script":
+        config = {"script": args.script, "data": args.data, "loss": args.loss,
+                  "runs": "Python modules (eager, %s)" % args.eager if args.eager else "the TorchScript file"}
     else:
         config = {"blocks": args.blocks, "channels": args.channels, "data": "Fashion-MNIST train images"}
     config.update(batch=args.batch, threads=args.threads, optimizer="AdamW(lr=1e-3)")
     result = OrderedDict([
-        ("model", args.model),
+        ("model", args.script if args.model == "script" else args.model),
         ("parameters", parameter_count(trainer.model)),
         ("variant", args.variant),
         ("peak_bytes", info["peak_bytes"]),

@@ -5,10 +5,14 @@
 # of PyTorch eager's measured peak, and the micro-batching row), same threads on both sides;
 # then bench/vs_pytorch_table.py writes the table and the plot.
 #
-#   bash bench/vs_pytorch.sh [--model gpt|cnn] [--threads N] [--steps N] [--out DIR] [--build DIR]
-#                            [--segments "2 4 8"] [-- MODEL FLAGS]
+#   bash bench/vs_pytorch.sh [--model gpt|cnn|FILE.pt] [--threads N] [--steps N] [--out DIR] [--build DIR]
+#                            [--segments "2 4 8"] [--data FILE --loss KIND --eager PY:FUNCTION] [-- MODEL FLAGS]
 #
-#   --model     gpt (default) or cnn
+#   --model     gpt (default), cnn, or the user's TorchScript file (with --data, as memfit's
+#               --model FILE --data FILE --loss KIND): memfit trains the file, PyTorch runs the
+#               same model in Python: built as Python modules by --eager FILE.py:FUNCTION with
+#               the file's weights (PyTorch eager, and checkpoint_sequential on its blocks), or
+#               without --eager the TorchScript file itself from Python. No bf16 row.
 #   --threads   torch, OpenMP and OpenBLAS threads on both sides (default 2)
 #   --steps     timed steps per variant; times are their medians (default 5)
 #   --out       where vs_pytorch_<model>.{jsonl,md,svg} go (default: bench/)
@@ -20,12 +24,15 @@
 #
 # Example (a tiny smoke run; the real comparison uses the defaults on an idle machine):
 #   bash bench/vs_pytorch.sh --steps 2 --out /tmp/vs -- --layers 2 --d-model 64 --heads 8 --seq 32
+# The user's model (bench/user_models.py exports a GPT and a BatchNorm CNN from Python):
+#   /usr/bin/python3 bench/user_models.py /tmp/um
+#   bash bench/vs_pytorch.sh --model /tmp/um/gpt.pt --data /tmp/um/gpt_data.pt --eager bench/user_models.py:gpt
 set -euo pipefail
 here=$(cd "$(dirname "$0")" && pwd)
 root=$(dirname "$here")
 command="bash bench/vs_pytorch.sh"
 (($#)) && command+=$(printf ' %q' "$@")
-model=gpt threads=2 steps=5 out=$here build=$root/build segments=""
+model=gpt threads=2 steps=5 out=$here build=$root/build segments="" data="" loss=cross-entropy eager=""
 while (($#)); do
   case $1 in
     --model) model=$2; shift 2 ;;
@@ -34,12 +41,20 @@ while (($#)); do
     --out) out=$2; shift 2 ;;
     --build) build=$2; shift 2 ;;
     --segments) segments=$2; shift 2 ;;
+    --data) data=$2; shift 2 ;;
+    --loss) loss=$2; shift 2 ;;
+    --eager) eager=$2; shift 2 ;;
     --) shift; break ;;
     *) echo "vs_pytorch: unknown flag '$1' (model flags go after --)" >&2; exit 2 ;;
   esac
 done
 model_flags=("$@")
-[[ $model == gpt || $model == cnn ]] || { echo "vs_pytorch: --model must be gpt or cnn, got '$model'" >&2; exit 2; }
+script=""  # the user's TorchScript file
+if [[ $model != gpt && $model != cnn ]]; then
+  [[ -f $model && -n $data ]] ||
+    { echo "vs_pytorch: --model must be gpt, cnn or a TorchScript file with --data, got '$model'" >&2; exit 2; }
+  script=$model
+fi
 
 py=/usr/bin/python3   # Debian's interpreter: the one that sees python3-torch
 "$py" -c 'import torch' 2>/dev/null ||
@@ -57,29 +72,44 @@ flag_value() {  # flag_value NAME DEFAULT: the value of NAME among the model fla
   done
   echo "$v"
 }
-if [[ $model == gpt ]]; then n=$((2 * $(flag_value --layers 8) + 1)); else n=$(($(flag_value --blocks 6) + 1)); fi
+if [[ -n $script ]]; then
+  # The children of the Sequential after the first; none without Python modules to run them.
+  n=$("$py" -c 'import sys, torch; print(len(list(torch.jit.load(sys.argv[1]).children())) - 1)' "$script")
+  [[ -n $eager ]] || n=1
+elif [[ $model == gpt ]]; then n=$((2 * $(flag_value --layers 8) + 1)); else n=$(($(flag_value --blocks 6) + 1)); fi
 [[ -n $segments ]] || segments=$(seq -s ' ' 2 "$n")
+# What names the model on each side: built-in flags, or the user's files.
+if [[ -n $script ]]; then
+  twin_model=(--model script --script "$script" --data "$data" --loss "$loss")
+  [[ -z $eager ]] || twin_model+=(--eager "$eager")
+  memfit_model=(--model "$script" --data "$data" --loss "$loss")
+  name=script_$(basename "$script" .pt)
+else
+  twin_model=(--model "$model")
+  memfit_model=(--model "$model")
+  name=$model
+fi
 
 # OpenBLAS sizes its pool when it is loaded: set it for both sides before either starts; the
 # same OpenMP wait policy and malloc settings for both sides too (see quiet_env.sh).
 export OPENBLAS_NUM_THREADS=$threads OMP_NUM_THREADS=$threads
 source "$here/quiet_env.sh"
 mkdir -p "$out"
-jsonl=$out/vs_pytorch_$model.jsonl
+jsonl=$out/vs_pytorch_$name.jsonl
 : > "$jsonl"
 twin() {
   echo "== PyTorch $*" >&2
-  "$py" "$here/pytorch_twin.py" --model "$model" "${model_flags[@]}" --threads "$threads" --steps "$steps" --json "$@" >> "$jsonl"
+  "$py" "$here/pytorch_twin.py" "${twin_model[@]}" "${model_flags[@]}" --threads "$threads" --steps "$steps" --json "$@" >> "$jsonl"
 }
 twin --variant eager
 for s in $segments; do twin --variant "ckpt_seq:$s"; done
 # The CNN has no bf16 row: 1.13's GroupNorm fails under CPU bf16 autocast (bench/PYTORCH_SIDE.md).
-[[ $model == cnn ]] || twin --variant autocast_bf16
+[[ $model != gpt ]] || twin --variant autocast_bf16
 
 eager_peak=$("$py" -c 'import json, sys; print(json.loads(sys.stdin.readline())["peak_bytes"])' < "$jsonl")
 budgets=$(for p in 100 90 70 50 35; do echo $((eager_peak * p / 100)); done | paste -sd,)
 echo "== memfit, budgets $budgets (100/90/70/50/35% of PyTorch eager's $eager_peak B)" >&2
-"$bench_bin" --model "$model" "${model_flags[@]}" --threads "$threads" --steps "$steps" --budgets "$budgets" >> "$jsonl"
+"$bench_bin" "${memfit_model[@]}" "${model_flags[@]}" --threads "$threads" --steps "$steps" --budgets "$budgets" >> "$jsonl"
 
 # The base comparison: the two sides' plain steps run one after the other take minutes, and this
 # machine's speed drifts over minutes by more than the differences measured. So PyTorch eager
@@ -91,9 +121,9 @@ for line in sys.stdin:
         r = json.loads(line); r["base"] = True; print(json.dumps(r))'; }
 for i in 1 2 3; do
   echo "== base comparison $i/3: PyTorch eager, memfit plain" >&2
-  "$py" "$here/pytorch_twin.py" --model "$model" "${model_flags[@]}" --threads "$threads" --steps 3 --json --variant eager | tag >> "$jsonl"
-  "$bench_bin" --model "$model" "${model_flags[@]}" --threads "$threads" --steps 3 --plain-only 1 | tag >> "$jsonl"
+  "$py" "$here/pytorch_twin.py" "${twin_model[@]}" "${model_flags[@]}" --threads "$threads" --steps 3 --json --variant eager | tag >> "$jsonl"
+  "$bench_bin" "${memfit_model[@]}" "${model_flags[@]}" --threads "$threads" --steps 3 --plain-only 1 | tag >> "$jsonl"
 done
 
 "$py" "$here/vs_pytorch_table.py" "$jsonl" --model "$model" --command "$command" \
-  --md "$out/vs_pytorch_$model.md" --svg "$out/vs_pytorch_$model.svg"
+  --md "$out/vs_pytorch_$name.md" --svg "$out/vs_pytorch_$name.svg"

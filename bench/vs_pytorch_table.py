@@ -199,7 +199,8 @@ def markdown(model, command, torch_rows, memfit_rows):
     if plain is not None and plain["peak_bytes"] is not None:
         w("")
         w("memfit's plain step (no budget, nothing recomputed) peaks at %d B; PyTorch eager at %d B "
-          "(difference %+d B)." % (plain["peak_bytes"], eager_peak, plain["peak_bytes"] - eager_peak))
+          "(difference %+d B, %+.2f%%)." % (plain["peak_bytes"], eager_peak, plain["peak_bytes"] - eager_peak,
+                                           100.0 * (plain["peak_bytes"] - eager_peak) / eager_peak))
     return "\n".join(out) + "\n"
 
 
@@ -320,7 +321,7 @@ def svg(model, command, torch_rows, memfit_rows):
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("jsonl")
-    p.add_argument("--model", required=True, choices=["gpt", "cnn"])
+    p.add_argument("--model", required=True, help="gpt, cnn, or the user's TorchScript file as given")
     p.add_argument("--command", required=True, help="the command that reproduces the results")
     p.add_argument("--md", required=True)
     p.add_argument("--svg", required=True)
