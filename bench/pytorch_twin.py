@@ -13,8 +13,11 @@ Models (parameter counts equal memfit's C++ models, src/models/gpt.cpp and visio
   cnn  [stem, res0, ..., res{N-1}, head] on real Fashion-MNIST training images
        (/usr/share/datasets/fashion-mnist), normalized (x/255 - 0.2860) / 0.3530.
 
-Variants:
-  eager          plain forward/backward.
+Variants: a configuration a PyTorch user can hand-pick, parts joined by "+", e.g.
+"accum:4+ckpt_seq:3+autocast_bf16" (bench/vs_pytorch.sh runs the grid of them):
+  eager          plain forward/backward (alone: no other part).
+  accum:K        gradient accumulation: the batch in K micro-batches of batch/K samples, each
+                 loss divided by K and back-propagated before the next runs (K divides --batch).
   ckpt_seq:S     torch.utils.checkpoint.checkpoint_sequential over the blocks after the first one,
                  with S segments. In 1.13 it is reentrant: the segment input must require grad or
                  the segment's parameters get no gradients, so the first block (GPT: embed, which
@@ -25,6 +28,8 @@ Variants:
                  outside it (as memfit does). LayerNorm inputs are brought back to fp32 first,
                  exactly like memfit's layer_norm_fp32 (1.13 CPU autocast cannot mix a bf16 input
                  with fp32 LayerNorm weights).
+A variant the model cannot run (1.13's GroupNorm under CPU bf16 autocast) gives a row with
+"error" (its first line) instead of times and bytes.
 
 Every step: AdamW(lr 1e-3, foreach=False, like LibTorch's per-parameter loop), then
 zero_grad(set_to_none=True) (memfit releases gradients after the optimizer step).
@@ -68,6 +73,23 @@ import time
 from collections import OrderedDict
 
 
+def parse_variant(text):
+    """{"accum": K, "segments": S (0: none), "bf16": bool} of a variant; ValueError if malformed."""
+    parts = {"accum": 1, "segments": 0, "bf16": False}
+    if text == "eager":
+        return parts
+    for part in text.split("+"):
+        name, _, value = part.partition(":")
+        if name in ("accum", "ckpt_seq") and value.isdigit() and int(value) >= 1:
+            parts["accum" if name == "accum" else "segments"] = int(value)
+        elif part == "autocast_bf16":
+            parts["bf16"] = True
+        else:
+            raise ValueError("expected eager, or parts joined by + among accum:K, ckpt_seq:S (K, S >= 1) "
+                             "and autocast_bf16; got %r" % part)
+    return parts
+
+
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--model", choices=["gpt", "cnn", "script"], required=True,
@@ -93,15 +115,18 @@ def parse_args(argv=None):
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--steps", type=int, default=5, help="timed steps")
     p.add_argument("--warmup", type=int, default=1, help="warm-up steps before the measured step")
-    p.add_argument("--variant", default="eager", help="eager | ckpt_seq:S | autocast_bf16")
+    p.add_argument("--variant", default="eager",
+                   help="eager, or parts joined by +: accum:K, ckpt_seq:S, autocast_bf16")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", action="store_true", help="one compact JSON line")
     p.add_argument("--params-only", action="store_true", help="print only the parameter count")
     a = p.parse_args(argv)
-    if a.variant not in ("eager", "autocast_bf16"):
-        ok = a.variant.startswith("ckpt_seq:") and a.variant[9:].isdigit() and int(a.variant[9:]) >= 1
-        if not ok:
-            p.error("invalid --variant %r: expected eager, ckpt_seq:S (S >= 1) or autocast_bf16" % a.variant)
+    try:
+        a.parts = parse_variant(a.variant)
+    except ValueError as e:
+        p.error("invalid --variant %r: %s" % (a.variant, e))
+    if a.batch % a.parts["accum"]:
+        p.error("invalid --variant %r: accum:%d must divide --batch %d" % (a.variant, a.parts["accum"], a.batch))
     for name in ("layers", "d_model", "heads", "seq", "blocks", "channels", "batch", "threads", "steps"):
         if getattr(a, name) < 1:
             p.error("invalid --%s %d: expected a positive integer" % (name.replace("_", "-"), getattr(a, name)))
@@ -391,14 +416,18 @@ class Trainer:
         self.model.train()
         self.params = list(self.model.parameters())
         self.opt = torch.optim.AdamW(self.params, lr=1e-3, foreach=False)
-        self.segments = int(args.variant[9:]) if args.variant.startswith("ckpt_seq:") else 0
+        self.segments = args.parts["segments"]
+        self.accum = args.parts["accum"]
+        self.bf16 = args.parts["bf16"]
         self.rest = self.model[1:] if self.segments else None  # the blocks after the first
 
     def forward_loss(self, x, y):
-        v = self.args.variant
-        if v == "autocast_bf16":
+        if self.bf16:
             with torch.autocast("cpu", dtype=torch.bfloat16):
-                return self.loss_fn(self.model(x), y)
+                return self.forward_loss_fp32(x, y)
+        return self.forward_loss_fp32(x, y)
+
+    def forward_loss_fp32(self, x, y):
         if self.segments:
             h = self.model[0](x)  # requires grad: the reentrant checkpoint then back-props into it
             return self.loss_fn(checkpoint_sequential(self.rest, self.segments, h), y)
@@ -408,10 +437,13 @@ class Trainer:
 
     def step(self):
         x, y = self.data.batch(self.args.batch)
-        loss = self.forward_loss(x, y)
-        value = loss.item()
-        loss.backward()
-        del loss, x, y
+        value = 0.0
+        for xs, ys in zip(x.chunk(self.accum), y.chunk(self.accum)):  # views: no copies
+            loss = self.forward_loss(xs, ys) / self.accum
+            value += loss.item()
+            loss.backward()
+            del loss
+        del x, y, xs, ys
         missing = [i for i, p in enumerate(self.params) if p.grad is None]
         assert not missing, "parameters without gradients: %d of %d" % (len(missing), len(self.params))
         self.opt.step()
@@ -539,13 +571,19 @@ def main(args):
         return 0
 
     load_before = os.getloadavg()[0]
-    trainer, info = measure(args)
-    trainer.step()  # warm-up without the profiler
-    times = []
-    for _ in range(args.steps):
-        t0 = time.perf_counter()
-        trainer.step()
-        times.append(time.perf_counter() - t0)
+    try:
+        trainer, info = measure(args)
+        trainer.step()  # warm-up without the profiler
+        times = []
+        for _ in range(args.steps):
+            t0 = time.perf_counter()
+            trainer.step()
+            times.append(time.perf_counter() - t0)
+    except RuntimeError as e:  # a variant this model cannot run: a row that says so
+        model = args.script if args.model == "script" else args.model
+        print(json.dumps({"model": model, "variant": args.variant, "error": str(e).splitlines()[0],
+                          "torch": torch.__version__}))
+        return 0
 
     if args.model == "gpt":
         config = {"layers": args.layers, "d_model": args.d_model, "heads": args.heads, "seq": args.seq,

@@ -1,12 +1,14 @@
 #!/usr/bin/env bash
-# memfit vs PyTorch 1.13, side by side, in one run on one machine: the PyTorch twin
-# (bench/pytorch_twin.py: eager, checkpoint_sequential with every segment count, bf16 autocast
-# for the GPT), then memfit (bench/vs_pytorch_memfit: its plain step, its plans at 100/90/70/50/35%
-# of PyTorch eager's measured peak, and the micro-batching row), same threads on both sides;
+# memfit vs PyTorch, side by side, in one run on one machine: the PyTorch twin
+# (bench/pytorch_twin.py) over the grid of configurations a PyTorch user can hand-pick —
+# gradient accumulation x checkpoint_sequential segments x {fp32, bf16 autocast} — then memfit
+# (bench/vs_pytorch_memfit: its plain step, its plans at 100/90/70/50/35% of PyTorch eager's
+# measured peak, and the micro-batching row), same threads on both sides;
 # then bench/vs_pytorch_table.py writes the table and the plot.
 #
 #   bash bench/vs_pytorch.sh [--model gpt|cnn|FILE.pt] [--threads N] [--steps N] [--out DIR] [--build DIR]
-#                            [--segments "2 4 8"] [--data FILE --loss KIND --eager PY:FUNCTION] [-- MODEL FLAGS]
+#                            [--segments "2 4 8"] [--accum "1 2 4"] [--precisions "fp32 bf16"]
+#                            [--data FILE --loss KIND --eager PY:FUNCTION] [-- MODEL FLAGS]
 #
 #   --model     gpt (default), cnn, or the user's TorchScript file (with --data, as memfit's
 #               --model FILE --data FILE --loss KIND): memfit trains the file, PyTorch runs the
@@ -17,8 +19,11 @@
 #   --steps     timed steps per variant; times are their medians (default 5)
 #   --out       where vs_pytorch_<model>.{jsonl,md,svg} go (default: bench/)
 #   --build     memfit's build directory (default: build), holding bench/vs_pytorch_memfit
-#   --segments  checkpoint_sequential segment counts (default: every count from 2 to the number
-#               of blocks after the first; 1 segment is eager)
+#   --segments  the grid's checkpoint_sequential segment counts besides none (default: 2, 4, 8
+#               and the number of blocks after the first, those not above it)
+#   --accum     the grid's gradient accumulation steps (default: 1 2 4 8 16, those dividing --batch)
+#   --precisions  the grid's precisions (default: fp32 bf16; a variant the model cannot run is a
+#               row with its error)
 #   MODEL FLAGS passed to both sides: --layers --d-model --heads --seq --dropout (gpt),
 #               --blocks --channels (cnn), --batch, --seed
 #
@@ -33,6 +38,7 @@ root=$(dirname "$here")
 command="bash bench/vs_pytorch.sh"
 (($#)) && command+=$(printf ' %q' "$@")
 model=gpt threads=2 steps=5 out=$here build=$root/build segments="" data="" loss=cross-entropy eager=""
+accums="" precisions="fp32 bf16"
 while (($#)); do
   case $1 in
     --model) model=$2; shift 2 ;;
@@ -41,6 +47,8 @@ while (($#)); do
     --out) out=$2; shift 2 ;;
     --build) build=$2; shift 2 ;;
     --segments) segments=$2; shift 2 ;;
+    --accum) accums=$2; shift 2 ;;
+    --precisions) precisions=$2; shift 2 ;;
     --data) data=$2; shift 2 ;;
     --loss) loss=$2; shift 2 ;;
     --eager) eager=$2; shift 2 ;;
@@ -77,7 +85,9 @@ if [[ -n $script ]]; then
   n=$("$py" -c 'import sys, torch; print(len(list(torch.jit.load(sys.argv[1]).children())) - 1)' "$script")
   [[ -n $eager ]] || n=1
 elif [[ $model == gpt ]]; then n=$((2 * $(flag_value --layers 8) + 1)); else n=$(($(flag_value --blocks 6) + 1)); fi
-[[ -n $segments ]] || segments=$(seq -s ' ' 2 "$n")
+[[ -n $segments ]] || segments=$(printf '%s\n' 2 4 8 "$n" | awk -v n="$n" '$1 >= 2 && $1 <= n' | sort -nu | paste -sd' ')
+batch=$(flag_value --batch 16)
+[[ -n $accums ]] || accums=$(for k in 1 2 4 8 16; do ((batch % k == 0)) && echo $k; done | paste -sd' ')
 # What names the model on each side: built-in flags, or the user's files.
 if [[ -n $script ]]; then
   twin_model=(--model script --script "$script" --data "$data" --loss "$loss")
@@ -102,9 +112,19 @@ twin() {
   "$py" "$here/pytorch_twin.py" "${twin_model[@]}" "${model_flags[@]}" --threads "$threads" --steps "$steps" --json "$@" >> "$jsonl"
 }
 twin --variant eager
-for s in $segments; do twin --variant "ckpt_seq:$s"; done
-# The CNN has no bf16 row: 1.13's GroupNorm fails under CPU bf16 autocast (bench/PYTORCH_SIDE.md).
-[[ $model != gpt ]] || twin --variant autocast_bf16
+# The grid: every accumulation x segments x precision (eager, the all-defaults point, ran first).
+for precision in $precisions; do
+  for k in $accums; do
+    for s in 0 $segments; do
+      parts=()
+      ((k > 1)) && parts+=("accum:$k")
+      ((s > 0)) && parts+=("ckpt_seq:$s")
+      [[ $precision == bf16 ]] && parts+=(autocast_bf16)
+      ((${#parts[@]})) || continue
+      twin --variant "$(IFS=+; echo "${parts[*]}")"
+    done
+  done
+done
 
 eager_peak=$("$py" -c 'import json, sys; print(json.loads(sys.stdin.readline())["peak_bytes"])' < "$jsonl")
 budgets=$(for p in 100 90 70 50 35; do echo $((eager_peak * p / 100)); done | paste -sd,)

@@ -5,12 +5,14 @@
         --md bench/vs_pytorch_gpt.md --svg bench/vs_pytorch_gpt.svg
 
 Input: one JSON object per line, from bench/pytorch_twin.py --json (no "side" key; variants
-eager, ckpt_seq:S, autocast_bf16) and from bench/vs_pytorch_memfit ("side": "memfit"; variants
+eager or parts joined by "+": accum:K, ckpt_seq:S, autocast_bf16 — the peer grid; a row with
+"error" is a variant the model could not run) and from bench/vs_pytorch_memfit ("side": "memfit"; variants
 plain, fp32_plan, mixed_plan, microbatch). Budgets are the distinct budget_bytes of the memfit
 rows; each is shown as a percentage of PyTorch's eager peak.
 
-Per budget the table shows PyTorch eager (if its peak fits), the fastest checkpoint_sequential
-whose measured peak fits (peak <= budget), memfit's fp32 plan and memfit's mixed-precision plan,
+Per budget the table shows PyTorch eager (if its peak fits), the fastest grid point whose
+measured peak fits (peak <= budget) in fp32 and with bf16 allowed, memfit's fp32 plan and
+memfit's mixed-precision plan,
 each with its measured peak and its median step time as a ratio to PyTorch eager's, measured in
 the same run. The plot is the memory/time frontier: x = measured peak, y = step time / PyTorch
 eager. Standard library only (the driver runs it with Debian's python3).
@@ -38,6 +40,9 @@ def load(path, model):
             if r.get("base"):
                 base.setdefault(r.get("side") == "memfit", []).append(r["median_step_s"])
                 continue
+            if r.get("error"):
+                FAILED.append(r)
+                continue
             (memfit_rows if r.get("side") == "memfit" else torch_rows).append(r)
     # Cross-side times: the two sides ran minutes apart, and the machine's speed drifts. The base
     # comparison (PyTorch eager and memfit plain alternating, at the end of the run) gives the
@@ -58,8 +63,36 @@ def load(path, model):
     return torch_rows, memfit_rows
 
 
-def segments(variant):
-    return int(variant.split(":")[1]) if variant.startswith("ckpt_seq:") else None
+FAILED = []  # PyTorch grid points the model could not run (their "error")
+
+
+def parts(variant):
+    """{"accum": K, "segments": S, "bf16": bool} of a grid variant (pytorch_twin.parse_variant)."""
+    p = {"accum": 1, "segments": 0, "bf16": False}
+    for part in variant.split("+"):
+        name, _, value = part.partition(":")
+        if name == "accum":
+            p["accum"] = int(value)
+        elif name == "ckpt_seq":
+            p["segments"] = int(value)
+        elif part == "autocast_bf16":
+            p["bf16"] = True
+    return p
+
+
+def describe(variant):
+    """"accum 4, 3 segments, bf16" for a grid variant."""
+    p = parts(variant)
+    out = ["accum %d" % p["accum"] if p["accum"] > 1 else "whole batch"]
+    out.append("%d segments" % p["segments"] if p["segments"] else "no checkpoint")
+    out.append("bf16" if p["bf16"] else "fp32")
+    return ", ".join(out)
+
+
+def fastest_fitting(rows, budget, bf16_allowed):
+    """The fastest grid row whose measured peak fits the budget, or None."""
+    fitting = [r for r in rows if r["peak_bytes"] <= budget and (bf16_allowed or not parts(r["variant"])["bf16"])]
+    return min(fitting, key=lambda r: r["median_step_s"]) if fitting else None
 
 
 def mib(b):
@@ -73,44 +106,35 @@ def ratio(seconds, eager_s):
 # ----------------------------------------------------------------------------- Markdown
 
 
-def markdown(model, command, torch_rows, memfit_rows):
-    eager = next(r for r in torch_rows if r["variant"] == "eager")
-    eager_peak, eager_s = eager["peak_bytes"], eager["median_step_s"]
-    ckpts = sorted((r for r in torch_rows if segments(r["variant"])), key=lambda r: segments(r["variant"]))
-    bf16 = next((r for r in torch_rows if r["variant"] == "autocast_bf16"), None)
-    plain = next((r for r in memfit_rows if r["variant"] == "plain"), None)
-    budgets = sorted({r["budget_bytes"] for r in memfit_rows if r["variant"] in ("fp32_plan", "mixed_plan")},
-                     reverse=True)
+def memfit_cell(r):
+    """(configuration, peak bytes or None, seconds or None) of a memfit row."""
+    if r is None:
+        return "not run", None, None
+    if not r["fits"]:
+        if not r.get("feasible", True):
+            return r["plan"], None, None
+        failed = [n for n in r.get("notes", []) if " failed: " in n]
+        return (failed[-1] if failed else r["plan"] + ": OutOfMemoryError under the budget"), None, None
+    conf = r["plan"]
+    if r.get("attempts", 1) > 1:  # replanned tighter after running out of memory
+        conf += " (plan %d: the first ran out of memory)" % r["attempts"]
+    return conf, r["peak_bytes"], r["median_step_s"]
 
-    def memfit_at(variant, budget):
-        return next((r for r in memfit_rows if r["variant"] == variant and r["budget_bytes"] == budget), None)
 
-    def memfit_cell(r):
-        """(configuration, peak bytes or None, seconds or None)"""
-        if r is None:
-            return "not run", None, None
-        if not r["fits"]:
-            if not r.get("feasible", True):
-                return r["plan"], None, None
-            failed = [n for n in r.get("notes", []) if " failed: " in n]
-            return (failed[-1] if failed else r["plan"] + ": OutOfMemoryError under the budget"), None, None
-        conf = r["plan"]
-        if r.get("attempts", 1) > 1:  # replanned tighter after running out of memory
-            conf += " (plan %d: the first ran out of memory)" % r["attempts"]
-        return conf, r["peak_bytes"], r["median_step_s"]
-
-    out = []
-    w = out.append
+def header(w, model, command, eager, torch_rows):
+    eager_s = eager["median_step_s"]
     w("# memfit vs PyTorch %s: %s" % (eager.get("torch", "?"), model))
     w("")
     w("Reproduce: `%s`" % command)
     w("")
     cfg = eager.get("config", {})
     w("Model: %s. Batch %s, %s threads (torch and OpenBLAS on both sides), AdamW(lr 1e-3), "
-      "gradients released after each step. Peak bytes are exact: PyTorch's from the legacy profiler's "
-      "allocator records (bench/PYTORCH_SIDE.md), memfit's from its tracker; memfit runs every plan "
-      "under BudgetAllocator at the budget (an allocation past it throws). Times are medians of "
-      "%s steps, as ratios to PyTorch eager's median (%.3f s) from the same run." %
+      "gradients released after each step. PyTorch runs the grid a user can hand-pick: gradient "
+      "accumulation x checkpoint_sequential segments x {fp32, bf16 autocast}, each configuration "
+      "measured. Peak bytes are exact: PyTorch's from the legacy profiler's allocator records "
+      "(bench/PYTORCH_SIDE.md), memfit's from its tracker; memfit runs every plan under "
+      "BudgetAllocator at the budget (an allocation past it throws). Times are medians of %s steps, "
+      "as ratios to PyTorch eager's median (%.3f s) from the same run." %
       (", ".join("%s %s" % (k, v) for k, v in cfg.items() if k not in ("batch", "threads", "optimizer")),
        cfg.get("batch", "?"), cfg.get("threads", "?"), len(eager.get("step_times_s", [])) or "?", eager_s))
     if "base_ratio" in eager:
@@ -123,73 +147,95 @@ def markdown(model, command, torch_rows, memfit_rows):
     if loads:
         w("PyTorch runs' 1-minute load averages ranged %.2f-%.2f; above ~0.5 the times are unreliable "
           "on 2 cores." % (min(min(l) for l in loads), max(max(l) for l in loads)))
+    for r in FAILED:
+        w("PyTorch %s could not run: %s" % (describe(r["variant"]), r["error"]))
     w("")
+
+
+def grid_row(w, label, r, eager_s):
+    if r is None:
+        w("| | %s | none fits | - | - | no | - |" % label)
+    else:
+        w("| | %s | %s | %d | %s | yes | %s |" % (label, describe(r["variant"]), r["peak_bytes"], mib(r["peak_bytes"]),
+                                                 ratio(r["median_step_s"], eager_s)))
+
+
+def per_budget_table(w, budgets, eager, grid, memfit_at):
+    eager_peak, eager_s = eager["peak_bytes"], eager["median_step_s"]
     w("| budget | variant | configuration | measured peak (B) | MiB | fits | time × PyTorch eager |")
     w("|---|---|---|---:|---:|:-:|---:|")
     for b in budgets:
-        label = "%d%% (%s MiB)" % (round(100.0 * b / eager_peak), mib(b))
         fits = eager_peak <= b
-        w("| %s | PyTorch eager | - | %d | %s | %s | %s |" % (
-            label, eager_peak, mib(eager_peak), "yes" if fits else "no", "1.00x" if fits else "-"))
-        fitting = [r for r in ckpts if r["peak_bytes"] <= b]
-        if fitting:
-            best = min(fitting, key=lambda r: r["median_step_s"])
-            w("| | best checkpoint_sequential | %d segments | %d | %s | yes | %s |" % (
-                segments(best["variant"]), best["peak_bytes"], mib(best["peak_bytes"]),
-                ratio(best["median_step_s"], eager_s)))
-        else:
-            w("| | best checkpoint_sequential | none fits | - | - | no | - |")
-        if bf16 is not None:
-            fits = bf16["peak_bytes"] <= b
-            w("| | PyTorch bf16 autocast | - | %d | %s | %s | %s |" % (
-                bf16["peak_bytes"], mib(bf16["peak_bytes"]), "yes" if fits else "no",
-                ratio(bf16["median_step_s"], eager_s) if fits else "-"))
+        w("| %d%% (%s MiB) | PyTorch eager | - | %d | %s | %s | %s |" % (
+            round(100.0 * b / eager_peak), mib(b), eager_peak, mib(eager_peak), "yes" if fits else "no",
+            "1.00x" if fits else "-"))
+        grid_row(w, "fastest PyTorch grid point, fp32", fastest_fitting(grid, b, False), eager_s)
+        grid_row(w, "fastest PyTorch grid point, bf16 allowed", fastest_fitting(grid, b, True), eager_s)
         for variant, name in (("fp32_plan", "memfit fp32 plan"), ("mixed_plan", "memfit, mixed precision allowed")):
             conf, peak, secs = memfit_cell(memfit_at(variant, b))
             w("| | %s | %s | %s | %s | %s | %s |" % (
                 name, conf, peak if peak is not None else "-", mib(peak) if peak is not None else "-",
                 "yes" if peak is not None else "no", ratio(secs, eager_s)))
+
+
+def summary_table(w, budgets, eager, grid, memfit_at):
+    """memfit against the fastest fitting grid point, fp32 only and mixed precision allowed."""
+    eager_peak, eager_s = eager["peak_bytes"], eager["median_step_s"]
+    w("## Summary: memfit / the fastest PyTorch grid point that fits, at each budget")
+    w("")
+    w("| budget | PyTorch fp32 | memfit fp32 | memfit / PyTorch, fp32 | PyTorch, bf16 allowed | memfit, mixed allowed | memfit / PyTorch, mixed |")
+    w("|---|---|---:|---:|---|---:|---:|")
+    for b in budgets:
+        cells = []
+        for bf16, variant in ((False, "fp32_plan"), (True, "mixed_plan")):
+            best = fastest_fitting(grid, b, bf16)
+            _, _, secs = memfit_cell(memfit_at(variant, b))
+            peer = "%s: %s" % (describe(best["variant"]), ratio(best["median_step_s"], eager_s)) if best else "none fits"
+            both = best is not None and secs is not None
+            cells += [peer, ratio(secs, eager_s), "%.2fx" % (secs / best["median_step_s"]) if both else "-"]
+        w("| %d%% | %s |" % (round(100.0 * b / eager_peak), " | ".join(cells)))
+
+
+def markdown(model, command, torch_rows, memfit_rows):
+    eager = next(r for r in torch_rows if r["variant"] == "eager")
+    eager_peak, eager_s = eager["peak_bytes"], eager["median_step_s"]
+    grid = torch_rows  # eager is the grid's all-defaults point
+    plain = next((r for r in memfit_rows if r["variant"] == "plain"), None)
+    budgets = sorted({r["budget_bytes"] for r in memfit_rows if r["variant"] in ("fp32_plan", "mixed_plan")},
+                     reverse=True)
+
+    def memfit_at(variant, budget):
+        return next((r for r in memfit_rows if r["variant"] == variant and r["budget_bytes"] == budget), None)
+
+    out = []
+    w = out.append
+    header(w, model, command, eager, torch_rows)
+    per_budget_table(w, budgets, eager, grid, memfit_at)
     micro = next((r for r in memfit_rows if r["variant"] == "microbatch"), None)
     if micro is not None:
         conf, peak, secs = memfit_cell(micro)
-        smallest = min(ckpts, key=lambda r: r["peak_bytes"]) if ckpts else None
         w("| 1.1 × (weights + gradients + AdamW state) = %s MiB | memfit micro-batching | %s | %s | %s | %s | %s |" % (
             mib(micro["budget_bytes"]), conf, peak if peak is not None else "-",
             mib(peak) if peak is not None else "-", "yes" if peak is not None else "no", ratio(secs, eager_s)))
-        if smallest is not None:
-            w("")
-            w("The smallest peak any checkpoint_sequential reaches: %d B (%s MiB, %d segments)." % (
-                smallest["peak_bytes"], mib(smallest["peak_bytes"]), segments(smallest["variant"])))
-    # The goals (issue 6): memfit fp32 against the fastest checkpoint_sequential that fits, at a
-    # measured peak that is no higher; and the best time at each budget when bf16 is allowed.
+        smallest = min(grid, key=lambda r: r["peak_bytes"])
+        w("")
+        w("The smallest peak any PyTorch grid point reaches: %d B (%s MiB, %s)." % (
+            smallest["peak_bytes"], mib(smallest["peak_bytes"]), describe(smallest["variant"])))
     # A precision the planner dropped (it fails on this model) is said once.
-    dropped = sorted({n for r in memfit_rows for n in r.get("notes", []) if "not considered" in n})
-    for n in dropped:
+    for n in sorted({n for r in memfit_rows for n in r.get("notes", []) if "not considered" in n}):
         w("")
         w("Planner: %s" % n)
     w("")
-    w("## Summary: time × PyTorch eager at each budget")
-    w("")
-    w("| budget | best checkpoint_sequential | memfit fp32 | memfit fp32 / checkpoint_sequential | memfit peak <= its peak | memfit, mixed allowed |")
-    w("|---|---:|---:|---:|:-:|---:|")
-    for b in budgets:
-        fitting = [r for r in ckpts if r["peak_bytes"] <= b]
-        best = min(fitting, key=lambda r: r["median_step_s"]) if fitting else None
-        _, peak, secs = memfit_cell(memfit_at("fp32_plan", b))
-        _, _, mixed_secs = memfit_cell(memfit_at("mixed_plan", b))
-        both = best is not None and secs is not None
-        w("| %d%% | %s | %s | %s | %s | %s |" % (
-            round(100.0 * b / eager_peak), ratio(best["median_step_s"], eager_s) if best else "none fits",
-            ratio(secs, eager_s), "%.2fx" % (secs / best["median_step_s"]) if both else "-",
-            ("yes" if peak <= best["peak_bytes"] else "no") if both else "-", ratio(mixed_secs, eager_s)))
+    summary_table(w, budgets, eager, grid, memfit_at)
     w("")
     w("## All runs")
     w("")
     w("| side | variant | configuration | measured peak (B) | MiB | median step s | time × PyTorch eager |")
     w("|---|---|---|---:|---:|---:|---:|")
-    for r in [eager] + ckpts + ([bf16] if bf16 else []):
-        w("| PyTorch | %s | - | %d | %s | %.4f | %s |" % (
-            r["variant"], r["peak_bytes"], mib(r["peak_bytes"]), r["median_step_s"], ratio(r["median_step_s"], eager_s)))
+    for r in sorted(grid, key=lambda r: r["peak_bytes"]):
+        w("| PyTorch | %s | %s | %d | %s | %.4f | %s |" % (
+            r["variant"], describe(r["variant"]), r["peak_bytes"], mib(r["peak_bytes"]), r["median_step_s"],
+            ratio(r["median_step_s"], eager_s)))
     for r in memfit_rows:
         budget = "" if r["budget_bytes"] is None else " @ %s MiB" % mib(r["budget_bytes"])
         conf, peak, secs = memfit_cell(r)
@@ -223,13 +269,15 @@ def svg(model, command, torch_rows, memfit_rows):
         return [(r["peak_bytes"], r["median_step_s"] / eager_s, label(r)) for r in rows
                 if r.get("peak_bytes") is not None and r.get("median_step_s") is not None]
 
-    ckpts = sorted((r for r in torch_rows if segments(r["variant"])), key=lambda r: r["peak_bytes"])
+    fp32 = [r for r in torch_rows if r["variant"] != "eager" and not parts(r["variant"])["bf16"]]
+    bf16 = [r for r in torch_rows if parts(r["variant"])["bf16"]]
     series.append(("PyTorch eager", "#444444", "square", pts([eager], lambda r: "eager"), False))
-    series.append(("PyTorch checkpoint_sequential (S segments)", "#1f77b4", "circle",
-                   pts(ckpts, lambda r: "S=%d" % segments(r["variant"])), False))  # not a curve: time is not monotone in S
-    bf16 = [r for r in torch_rows if r["variant"] == "autocast_bf16"]
+    # Not curves: time is not monotone in the grid's parameters.
+    series.append(("PyTorch grid, fp32 (accumulation x segments)", "#1f77b4", "circle",
+                   pts(fp32, lambda r: describe(r["variant"])), False))
     if bf16:
-        series.append(("PyTorch bf16 autocast", "#9467bd", "diamond", pts(bf16, lambda r: "bf16"), False))
+        series.append(("PyTorch grid, bf16 autocast", "#9467bd", "diamond", pts(bf16, lambda r: describe(r["variant"])),
+                       False))
     for variant, name, colour, marker in (("plain", "memfit plain step (no budget)", "#8c564b", "square"),
                                           ("fp32_plan", "memfit fp32 plans", "#d62728", "triangle"),
                                           ("mixed_plan", "memfit plans, mixed precision allowed", "#ff7f0e",
@@ -305,9 +353,6 @@ def svg(model, command, torch_rows, memfit_rows):
         for p in points:
             a('<g>%s<title>%s: %s, %d B (%.1f MiB), %.2fx</title></g>' % (
                 marker(kind, X(p[0]), Y(p[1]), colour), escape(name), escape(p[2]), p[0], p[0] / MIB, p[1]))
-            if p[2] and kind == "circle":
-                a('<text x="%.1f" y="%.1f" font-size="9" fill="%s">%s</text>' % (X(p[0]) + 6, Y(p[1]) - 6, colour,
-                                                                                 escape(p[2])))
     # Legend.
     lx, ly = left + pw + 20, top + 10
     for i, (name, colour, kind, points, connect) in enumerate(series):
