@@ -19,8 +19,10 @@
 # "gpu_check: NO CUDA" and exits 3: a machine without a GPU never passes for a GPU check.
 # PyTorch wheels built with the pre-C++11 ABI (_GLIBCXX_USE_CXX11_ABI=0) may not link with
 # Debian's libfmt/gtest; the build step then fails and says so here.
-# memfit's CLI has no device flag (its models train on the CPU), so "on CUDA" means: the CUDA
-# build of the library and its tests, and the CUDA caching allocator's counters as memfit reads them.
+# It builds the way scripts/test-torch2.sh does (the torch package folder and its share/cmake on
+# the prefix path, nvcc on PATH, no benchmarks), so that the GPU machine only adds running the
+# CUDA parts: the suite in the CUDA build, the caching allocator's counters as memfit reads them,
+# and a plan verified on the GPU (`--device cuda`).
 set -uo pipefail
 root=$(cd "$(dirname "$0")/.." && pwd)
 results=$(realpath -m "${1:-gpu_check.txt}")
@@ -63,10 +65,14 @@ else
   info=$("$py" -c 'import torch; print(torch.__version__, torch.version.cuda, torch.cuda.is_available())' 2>&1)
   log "torch (via $py): version, CUDA, cuda available = $info"
   [[ $info == *" True" ]] || no_cuda=${no_cuda:-"torch.cuda.is_available() is False ($py: torch $info)"}
-  prefix=$("$py" -c 'import torch; print(torch.utils.cmake_prefix_path)' 2>/dev/null)
+  torch_dir=$("$py" -c 'import os, torch; print(os.path.dirname(torch.__file__))' 2>/dev/null)
   # Debian's python3-torch ships no CMake files: the system libtorch-dev is found instead.
-  [ -n "$prefix" ] && [ -d "$prefix/Torch" ] || prefix=""
+  # The folder itself first, so that its lib/ wins over a system LibTorch in /usr/lib.
+  [ -n "$torch_dir" ] && [ -d "$torch_dir/share/cmake/Torch" ] && prefix="$torch_dir;$torch_dir/share/cmake"
 fi
+for d in /usr/local/cuda/bin /usr/local/cuda-*/bin; do
+  [ -x "$d/nvcc" ] && export PATH="$d:$PATH" && break
+done
 [ -n "$no_cuda" ] && log "no CUDA: $no_cuda (the CPU parts run anyway)"
 
 # 2. Configure and build (against the PyTorch found, when it ships LibTorch's CMake files).
@@ -74,7 +80,8 @@ if [ -f "$build/CMakeCache.txt" ]; then
   log "reusing the configured build directory $build (Torch_DIR $(grep -m1 '^Torch_DIR' "$build/CMakeCache.txt" | cut -d= -f2))"
   run "configure" cmake -S "$root" -B "$build" || fail "configure failed (see $results)"
 else
-  run "configure" cmake -S "$root" -B "$build" -DCMAKE_BUILD_TYPE=Release ${prefix:+-DCMAKE_PREFIX_PATH="$prefix"} \
+  run "configure" cmake -S "$root" -B "$build" -DCMAKE_BUILD_TYPE=Release -DMEMFIT_BUILD_BENCH=OFF \
+    ${prefix:+"-DCMAKE_PREFIX_PATH=$prefix"} \
     || fail "configure failed (see $results)"
 fi
 # Without CUDA only the CLI is needed; with it, everything ctest runs.
@@ -110,10 +117,20 @@ fi
 # 4. CUDA: the test suite in the CUDA build, then the caching allocator's counters read by memfit.
 grep -q 'CUDA support: 1' "$results" ||
   log "warning: memfit was configured without CUDA support (its configure line above says which Torch it found)"
-run "ctest" ctest --test-dir "$build" --output-on-failure -j"$jobs" --timeout 300
+log "$("$memfit" --version)"
+MEMFIT_TEST_PYTHON=$py run "ctest" ctest --test-dir "$build" --output-on-failure -j"$jobs" --timeout 300
 ctest_rc=$?
 run "CUDA allocated vs reserved (memfit report --json, default GPT)" bash -c \
   "'$memfit' report --threads $jobs --steps 2 --json | '$py' -c 'import json, sys; j = json.load(sys.stdin); print(json.dumps(j[\"device_memory\"]))'"
 report_rc=$?
-[ $ctest_rc -eq 0 ] && [ $report_rc -eq 0 ] || fail "ctest exit $ctest_rc, CUDA report exit $report_rc (see $results)"
-log "gpu_check: OK (CUDA build, ctest passed, plan verified; results in $results)"
+# The step on the GPU: a report (CUDA allocator bytes in the breakdown) and a plan verified by
+# real steps under 60% of the plain peak, both with --device cuda.
+run "memfit report --device cuda" "$memfit" report "${tiny[@]}" --device cuda --steps 2
+cuda_report_rc=$?
+gpu_peak=$(timeout "$(left)" "$memfit" report "${tiny[@]}" --device cuda --steps 2 --json 2>> "$results" |
+  "$py" -c 'import json, sys; print(json.load(sys.stdin)["peak_bytes"])')
+run "memfit plan --device cuda" "$memfit" plan "${tiny[@]}" --device cuda --budget "$((${gpu_peak:-0} * 60 / 100))"
+cuda_plan_rc=$?
+[ $ctest_rc -eq 0 ] && [ $report_rc -eq 0 ] && [ $cuda_report_rc -eq 0 ] && [ $cuda_plan_rc -eq 0 ] ||
+  fail "ctest exit $ctest_rc, CUDA report exit $report_rc/$cuda_report_rc, CUDA plan exit $cuda_plan_rc (see $results)"
+log "gpu_check: OK (CUDA build, ctest passed, plan verified on CPU and GPU; results in $results)"

@@ -2,12 +2,17 @@
 // interleaved in the same run, medians of several steps. Goal: <= 2% of step time.
 //
 //   ./build/bench/tracker_overhead [--steps N] [--threads N] [--layers N --d-model N ...]
+//
+// --tracked 0|1 runs one warm-up step and then --steps steps, all without (0) or with (1) the
+// tracker, and times nothing: bench/tracker_instructions.sh counts their instructions under
+// callgrind, which (unlike time) repeats exactly.
 #include <torch/torch.h>
 
 #include <algorithm>
 #include <chrono>
 #include <cstdio>
 #include <cstring>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -24,7 +29,7 @@ static double median(std::vector<double> v) {
 int main(int argc, char** argv) {
   BudgetAllocator::install();
   ModelOptions m;
-  int steps = 7, threads = 2;
+  int steps = 7, threads = 2, tracked_only = -1;  // -1: interleaved timing
   int64_t batch = 16;
   for (int i = 1; i + 1 < argc; i += 2) {
     const std::string k = argv[i];
@@ -35,6 +40,7 @@ int main(int argc, char** argv) {
     else if (k == "--d-model") m.gpt.d_model = v;
     else if (k == "--seq") m.gpt.seq = v;
     else if (k == "--batch") batch = v;
+    else if (k == "--tracked") tracked_only = v != 0;
     else { std::fprintf(stderr, "tracker_overhead: unknown flag %s\n", argv[i]); return 2; }
   }
   at::set_num_threads(threads);
@@ -46,6 +52,12 @@ int main(int argc, char** argv) {
   const StepOptions so{config};
   auto tracker = std::make_shared<MemoryTracker>();
   std::vector<double> with, without;
+  if (tracked_only >= 0) {  // for callgrind: the same steps, one way only
+    std::optional<TrackerScope> scope;
+    if (tracked_only) scope.emplace(tracker);
+    for (int s = 0; s <= steps; ++s) train_step(w, optimizer, data, so);
+    return 0;
+  }
   train_step(w, optimizer, data, so);  // warm-up
   for (int s = 0; s < steps; ++s) {
     for (int tracked = 0; tracked < 2; ++tracked) {  // interleaved: drift hits both alike

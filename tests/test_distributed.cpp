@@ -211,7 +211,7 @@ TEST(DistributedTest, TwoRanksStage2EqualOneAdamWOverTheSummedGradients) {
       EXPECT_TRUE(at::allclose(out.params[i], params[i].detach(), 1e-6, 1e-9)) << "rank " << r << " parameter " << i;
     }
     const auto& s = static_cast<const torch::optim::AdamWParamState&>(
-        *reference.state().at(c10::guts::to_string(params[i].unsafeGetTensorImpl())));
+        *reference.state().at(param_state_key(params[i])));
     ASSERT_TRUE(outcome[0].gathered_exp_avg_sq.count(i)) << "rank 0 gathered no state for parameter " << i;
     EXPECT_TRUE(at::allclose(outcome[0].gathered_exp_avg_sq[i], s.exp_avg_sq(), 1e-6, 0)) << "gathered state " << i;
   }

@@ -128,7 +128,7 @@ TEST(GradScalerTest, InfSkipsStepAndBacksOff) {
   zero_grad(m.optimizer);
   auto weight_before = m.linear->weight.detach().clone();
   auto& state = static_cast<torch::optim::AdamWParamState&>(
-      *m.optimizer.state().at(c10::guts::to_string(m.linear->weight.unsafeGetTensorImpl())));
+      *m.optimizer.state().at(param_state_key(m.linear->weight)));
   auto exp_avg_before = state.exp_avg().clone();
 
   m.backward(scaler);

@@ -3,7 +3,13 @@
 
 #include <ATen/autocast_mode.h>
 #include <c10/core/Allocator.h>
+#include <torch/optim/optimizer.h>
 #include <torch/version.h>
+
+#include <sstream>
+#include <string>
+#include <type_traits>
+#include <utility>
 
 #define MEMFIT_TORCH_AT_LEAST(major, minor) \
   (TORCH_VERSION_MAJOR > (major) ||         \
@@ -14,7 +20,23 @@
 #define MEMFIT_WITH_CUDA 0
 #endif
 
+// c10d's Gloo and NCCL process groups derive from c10d::ProcessGroup in 1.13; in 2.x they are
+// c10d::Backend's (a ProcessGroup dispatches to one per device type), with the same collectives.
+namespace c10d {
+#if MEMFIT_TORCH_AT_LEAST(2, 0)
+class Backend;
+#else
+class ProcessGroup;
+#endif
+}  // namespace c10d
+
 namespace memfit::compat {
+
+#if MEMFIT_TORCH_AT_LEAST(2, 0)
+using ProcessGroupBackend = c10d::Backend;
+#else
+using ProcessGroupBackend = c10d::ProcessGroup;
+#endif
 
 // c10::MemoryReportingInfoBase::reportMemoryUsage: the running totals were int64_t in 1.13
 // and became size_t in 2.x.
@@ -79,4 +101,37 @@ inline void set_autocast_dtype(c10::DeviceType device, at::ScalarType dtype) {
 #endif
 }
 
+// torch::optim keys Optimizer::state() by the parameter's TensorImpl: its address as text in
+// 1.13 (c10::guts::to_string, i.e. ostream << pointer), the pointer itself (void*) in 2.x.
+using OptimizerStateKey =
+    std::remove_reference_t<decltype(std::declval<torch::optim::Optimizer&>().state())>::key_type;
+
+template <typename Key = OptimizerStateKey>
+Key optimizer_state_key(const at::Tensor& parameter) {
+  if constexpr (std::is_same_v<Key, std::string>) {
+    std::ostringstream text;
+    text << parameter.unsafeGetTensorImpl();
+    return text.str();
+  } else {
+    return parameter.unsafeGetTensorImpl();
+  }
+}
+
 }  // namespace memfit::compat
+
+#if MEMFIT_WITH_CUDA
+#include <c10/cuda/CUDACachingAllocator.h>
+
+namespace memfit::compat {
+
+// The caching allocator's statistic kinds (StatType::AGGREGATE, ...): in
+// c10::cuda::CUDACachingAllocator in 1.13; shared by every device's caching allocator, in
+// c10::CachingAllocator, in 2.x (with c10/core/CachingDeviceAllocator.h).
+#if __has_include(<c10/core/CachingDeviceAllocator.h>)
+constexpr size_t kAggregateStat = static_cast<size_t>(c10::CachingAllocator::StatType::AGGREGATE);
+#else
+constexpr size_t kAggregateStat = static_cast<size_t>(c10::cuda::CUDACachingAllocator::StatType::AGGREGATE);
+#endif
+
+}  // namespace memfit::compat
+#endif

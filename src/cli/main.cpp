@@ -2,6 +2,8 @@
 // flags (the shared ones once, in flags.cpp), builds the workload, calls the library, prints.
 // Bad input: one clear line naming the flag, and exit 2.
 #include <CLI/CLI.hpp>
+#include <fmt/format.h>
+#include <torch/version.h>
 #include <malloc.h>
 #include <unistd.h>
 
@@ -12,6 +14,10 @@
 
 #include "commands.h"
 #include "launch.h"
+
+#ifndef MEMFIT_VERSION  // set by CMake from project(VERSION)
+#define MEMFIT_VERSION "unknown"
+#endif
 
 namespace {
 
@@ -101,6 +107,24 @@ std::string out_of_range_integer(int argc, char** argv) {
   return "";
 }
 
+// CLI11 reads integers with base 0, so --batch 010 would be 8 and 0x10 16: every integer
+// option of every command takes plain decimal only ("-" allowed, no leading zeros).
+void require_decimal_integers(CLI::App& app) {
+  const CLI::Validator decimal(
+      [](std::string& text) -> std::string {
+        const size_t digits = text.rfind('-', 0) == 0 ? 1 : 0;
+        const bool ok = text.size() > digits && text.find_first_not_of("0123456789", digits) == std::string::npos &&
+                        (text[digits] != '0' || text.size() == digits + 1);
+        return ok ? "" : "'" + text + "': expected a decimal integer (no leading zeros, no 0x)";
+      },
+      "");
+  for (CLI::Option* option : app.get_options()) {
+    const std::string type = option->get_type_name();
+    if (type == "INT" || type == "UINT") option->check(decimal);
+  }
+  for (CLI::App* sub : app.get_subcommands([](CLI::App*) { return true; })) require_decimal_integers(*sub);
+}
+
 // One "memfit: " prefix, whatever the library's message starts with.
 void print_error(const std::string& message) {
   const std::string prefix = "memfit: ";
@@ -149,6 +173,9 @@ int main(int argc, char** argv) {
 
   CLI::App app{"memfit: make deep-learning training fit in the memory you have"};
   app.require_subcommand(1);
+  // What memfit was built against: the test logs of each build print it (scripts/test-torch2.sh).
+  app.set_version_flag("--version", fmt::format("memfit {} (LibTorch {}, CUDA {})", MEMFIT_VERSION, TORCH_VERSION,
+                                                 MEMFIT_WITH_CUDA ? "yes" : "no"));
   WorkloadFlags report_w, plan_w, train_w;
   StepFlags report_s, plan_s, train_s;
   ReportFlags report_f;
@@ -159,6 +186,7 @@ int main(int argc, char** argv) {
   CLI::App* plan = add_plan(app, plan_w, plan_s, plan_f);
   CLI::App* train = add_train(app, train_w, train_s, train_f);
   CLI::App* launch_cmd = add_launch(app, launch_o);
+  require_decimal_integers(app);
   if (const std::string bad = out_of_range_integer(argc, argv); !bad.empty()) {
     std::fprintf(stderr, "memfit: %s\n", bad.c_str());
     return 2;
@@ -168,6 +196,8 @@ int main(int argc, char** argv) {
   } catch (const CLI::CallForHelp& e) {
     return app.exit(e);
   } catch (const CLI::CallForAllHelp& e) {
+    return app.exit(e);
+  } catch (const CLI::CallForVersion& e) {
     return app.exit(e);
   } catch (const CLI::ParseError& e) {
     std::fprintf(stderr, "memfit: %s (see memfit --help)\n", e.what());

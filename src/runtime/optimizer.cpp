@@ -182,9 +182,8 @@ std::vector<at::Tensor> optimizer_state_tensors(const Optimizer& optimizer) {
   return out;
 }
 
-std::string param_state_key(const at::Tensor& parameter) {
-  // torch::optim keys its state by the address of the parameter's TensorImpl, as text.
-  return c10::guts::to_string(parameter.unsafeGetTensorImpl());
+compat::OptimizerStateKey param_state_key(const at::Tensor& parameter) {
+  return compat::optimizer_state_key(parameter);
 }
 
 }  // namespace memfit

@@ -1,5 +1,6 @@
 #include "memfit/runtime/torchscript.h"
 
+#include <torch/csrc/jit/python/update_graph_executor_opt.h>
 #include <torch/script.h>
 #include <torch/serialize.h>
 #include <torch/torch.h>
@@ -29,9 +30,12 @@ class ScriptBlock : public torch::nn::Module {
     for (const auto& p : module_.named_parameters(/*recurse=*/true)) register_parameter(flat(p.name), p.value, p.value.requires_grad());
     for (const auto& b : module_.named_buffers(/*recurse=*/true)) register_buffer(flat(b.name), b.value);
   }
-  at::Tensor forward(const at::Tensor& x) {
+  at::Tensor forward(const at::Tensor& x) { return run({x}); }
+
+  // The module's forward on `inputs`; an out-of-memory error inside it stays one.
+  at::Tensor run(std::vector<c10::IValue> inputs) {
     try {
-      return module_.forward({x}).toTensor();
+      return module_.forward(std::move(inputs)).toTensor();
     } catch (const c10::OutOfMemoryError&) {
       throw;
     } catch (const std::exception& e) {
@@ -105,7 +109,7 @@ LossFn make_loss(LossKind kind, const std::shared_ptr<ScriptBlock>& whole) {
       return [](const at::Tensor& out, const at::Tensor& target) { return torch::mse_loss(out, target.to(out.scalar_type())); };
     case LossKind::kModel:
       return [whole](const at::Tensor& inputs, const at::Tensor& target) {
-        return whole->script().forward({inputs, target}).toTensor();
+        return whole->run({inputs, target});
       };
   }
   TORCH_CHECK(false, "memfit: unknown loss kind");
@@ -173,6 +177,10 @@ LossKind parse_loss_kind(const std::string& text) {
 
 Workload load_script_workload(const ScriptWorkloadOptions& o) {
   check_option(!o.data_file.empty(), "data", "(none)", "a TorchScript model needs its data: --data FILE (torch.save({\"inputs\": X, \"targets\": Y}))");
+  // Scripted modules run op by op, as eager PyTorch runs them: the graph executor's optimized
+  // mode differentiates whole graphs itself (DifferentiableGraph), whose backward ignores
+  // autocast's casts (LibTorch 2.11: a bf16 step fails with a dtype mismatch in mm's backward).
+  torch::jit::setGraphExecutorOptimize(false);
   torch::jit::Module root = load_module(o.model_file);
   root.train(true);
   auto [inputs, targets] = load_data(o.data_file);

@@ -22,7 +22,7 @@ DeviceMemory cuda_memory(int device) {
 #if MEMFIT_WITH_CUDA
   if (!cuda_available()) return m;
   const auto stats = c10::cuda::CUDACachingAllocator::getDeviceStats(device);
-  const auto all = static_cast<size_t>(c10::cuda::CUDACachingAllocator::StatType::AGGREGATE);
+  const size_t all = compat::kAggregateStat;
   m.allocated = stats.allocated_bytes[all].current;
   m.reserved = stats.reserved_bytes[all].current;
   m.peak_allocated = stats.allocated_bytes[all].peak;

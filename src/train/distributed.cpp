@@ -42,13 +42,20 @@ bool is_loopback(const std::string& host) {
   return host == "localhost" || host.rfind("127.", 0) == 0 || host == "::1";
 }
 
-// c10d logs each failed connection attempt of the rendezvous on stderr (through glog); the
-// failure that matters reaches the caller as one DistributedError line instead.
+// c10d logs each failed connection attempt of the rendezvous on stderr (through glog where
+// LibTorch uses it, as Debian's 1.13 does; else through c10's own logging, with a stack trace,
+// as PyPI's 2.x does); the failure that matters reaches the caller as one DistributedError line.
 class QuietLogging {
  public:
 #if defined(MEMFIT_HAVE_GLOG) && defined(C10_USE_GLOG)
   QuietLogging() : previous_(FLAGS_minloglevel) { FLAGS_minloglevel = google::GLOG_FATAL; }
   ~QuietLogging() { FLAGS_minloglevel = previous_; }
+
+ private:
+  int previous_;
+#elif !defined(C10_USE_GLOG)
+  QuietLogging() : previous_(FLAGS_caffe2_log_level) { FLAGS_caffe2_log_level = c10::GLOG_FATAL; }
+  ~QuietLogging() { FLAGS_caffe2_log_level = previous_; }
 
  private:
   int previous_;
@@ -89,7 +96,7 @@ void validate(const DistributedOptions& o) {
 
 struct DistributedContext::Impl {
   c10::intrusive_ptr<c10d::Store> store;
-  c10::intrusive_ptr<c10d::ProcessGroup> group;
+  c10::intrusive_ptr<compat::ProcessGroupBackend> group;  // Gloo or NCCL
   std::string backend;
   double timeout_seconds = 30;
   int rank = 0;
@@ -415,7 +422,7 @@ std::unique_ptr<torch::optim::Optimizer> ShardedDataParallel::gather_optimizer_s
   std::unique_ptr<torch::optim::Optimizer> full = rank() == 0 ? make_optimizer(spec, parameters_) : nullptr;
   const size_t slots = param_state_slots(spec.family);
   for (size_t i = 0; i < parameters_.size(); ++i) {
-    const std::string key = param_state_key(parameters_[i]);
+    const auto key = param_state_key(parameters_[i]);
     const int from = owner(i);
     if (from == 0 && rank() == 0) {
       auto it = sharded.state().find(key);
@@ -431,7 +438,7 @@ std::unique_ptr<torch::optim::Optimizer> ShardedDataParallel::gather_optimizer_s
 
 // The header says whether the parameter has state, its step and which slots are defined; the
 // defined tensors follow.
-void ShardedDataParallel::send_param_state(torch::optim::Optimizer& sharded, const std::string& key, size_t slots,
+void ShardedDataParallel::send_param_state(torch::optim::Optimizer& sharded, const compat::OptimizerStateKey& key, size_t slots,
                                            const char* what) {
   auto it = sharded.state().find(key);
   ParamStateRecord record;
@@ -468,7 +475,7 @@ void ShardedDataParallel::keep_owned_state(torch::optim::Optimizer& full, torch:
   if (stage_ == 0) throw std::logic_error("keep_owned_state: at stage 0 every rank keeps the whole state");
   for (size_t i = 0; i < parameters_.size(); ++i) {
     if (!owns(i)) continue;
-    const std::string key = param_state_key(parameters_[i]);
+    const auto key = param_state_key(parameters_[i]);
     auto it = full.state().find(key);
     if (it != full.state().end()) sharded.state()[key] = std::move(it->second);
   }

@@ -20,7 +20,7 @@ pinned=(--checkpoint none --precision fp32 --budget 64MiB)
 pass=0; fail=0
 ok() { pass=$((pass+1)); }
 bad() { fail=$((fail+1)); echo "FAILED: $*"; }
-py() { /usr/bin/python3 - "$@"; }
+py() { "${MEMFIT_TEST_PYTHON:-/usr/bin/python3}" - "$@"; }
 free_port() { py <<'PY'
 import socket
 s = socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1]); s.close()

@@ -11,7 +11,7 @@ pinned=(--micro-batch 4 --checkpoint none --precision fp32 --budget 64MiB)
 pass=0; fail=0
 ok() { pass=$((pass+1)); }
 bad() { fail=$((fail+1)); echo "FAILED: $*"; }
-py() { /usr/bin/python3 - "$@"; }
+py() { "${MEMFIT_TEST_PYTHON:-/usr/bin/python3}" - "$@"; }
 summary() { py "$1" "$2" <<'PY'
 import json, sys
 print(json.loads(open(sys.argv[1]).read().splitlines()[-1])[sys.argv[2]])

@@ -3,7 +3,7 @@
 set -euo pipefail
 memfit=$1
 json=$("$memfit" report --layers 2 --d-model 64 --heads 4 --seq 32 --batch 4 --steps 2 --json)
-/usr/bin/python3 - "$json" <<'PY'
+"${MEMFIT_TEST_PYTHON:-/usr/bin/python3}" - "$json" <<'PY'
 import json, sys
 j = json.loads(sys.argv[1])
 p = j["at_peak"]
@@ -25,7 +25,7 @@ dir=$(mktemp -d)
 trap 'rm -rf "$dir"' EXIT
 "$memfit" report --layers 2 --d-model 64 --heads 4 --seq 32 --batch 4 --steps 1 --world-size 2 --zero 2 --json \
   --html "$dir/r.html" > "$dir/r.json"
-/usr/bin/python3 - "$dir/r.json" "$dir/r.html" <<'PY'
+"${MEMFIT_TEST_PYTHON:-/usr/bin/python3}" - "$dir/r.json" "$dir/r.html" <<'PY'
 import json, sys
 j = json.load(open(sys.argv[1]))
 ranks = j["ranks"]; b = j["parameters"] * 4
@@ -46,7 +46,7 @@ for case in "sgd 0.9 1" "sgd 0 0" "adam 0 2"; do
   set -- $case
   "$memfit" report --layers 2 --d-model 64 --heads 4 --seq 32 --batch 4 --steps 2 --optimizer "$1" --momentum "$2" --json \
     > "$dir/opt.json"
-  /usr/bin/python3 - "$dir/opt.json" "$1" "$3" <<'PY'
+  "${MEMFIT_TEST_PYTHON:-/usr/bin/python3}" - "$dir/opt.json" "$1" "$3" <<'PY'
 import json, sys
 j = json.load(open(sys.argv[1])); family, factor = sys.argv[2], int(sys.argv[3])
 assert j["config"]["optimizer"]["family"] == family, j["config"]

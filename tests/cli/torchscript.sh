@@ -11,8 +11,8 @@ cd "$dir" || exit 1
 pass=0; fail=0
 ok() { pass=$((pass+1)); }
 bad() { fail=$((fail+1)); echo "FAILED: $*"; }
-py() { /usr/bin/python3 - "$@"; }
-/usr/bin/python3 "$exporter" . || { echo "FAILED: export_models.py"; exit 1; }
+py() { "${MEMFIT_TEST_PYTHON:-/usr/bin/python3}" - "$@"; }
+"${MEMFIT_TEST_PYTHON:-/usr/bin/python3}" "$exporter" . || { echo "FAILED: export_models.py"; exit 1; }
 gpt=(--model gpt.pt --data gpt_data.pt --batch 16)
 cnn=(--model cnn.pt --data cnn_data.pt --batch 16)
 quiet=(--no-progress --report "")

@@ -10,7 +10,7 @@ pinned=(--micro-batch 4 --checkpoint none --precision fp32)
 pass=0; fail=0
 ok() { pass=$((pass+1)); }
 bad() { fail=$((fail+1)); echo "FAILED: $*"; }
-py() { /usr/bin/python3 - "$@"; }
+py() { "${MEMFIT_TEST_PYTHON:-/usr/bin/python3}" - "$@"; }
 
 # 1. Default budget: the plain step does not fit, the run stays under it, loss falls.
 "$memfit" train "${small[@]}" --steps 12 --json-log "$dir/default.jsonl" --report "$dir/r.html" > "$dir/default.out" 2>&1 || bad "default run failed: $(tail -3 "$dir/default.out")"

@@ -6,7 +6,7 @@
 set -u
 memfit=$1
 twin=$2
-py=/usr/bin/python3   # Debian's interpreter: the one that sees python3-torch
+py=${MEMFIT_TEST_PYTHON:-/usr/bin/python3}   # Debian's interpreter (python3-torch), or the LibTorch build's own PyTorch
 if ! "$py" -c 'import torch' >/dev/null 2>&1; then
   echo "twin params: FAILED: $py cannot import torch (python3-torch missing; scripts/setup.sh installs it)"
   exit 1

@@ -16,6 +16,8 @@
 #include <nlohmann/json.hpp>
 #include <torch/optim/optimizer.h>
 
+#include "memfit/compat.h"
+
 #include <memory>
 #include <optional>
 #include <string>
@@ -66,7 +68,7 @@ std::unique_ptr<torch::optim::OptimizerParamState> make_param_state(OptimizerFam
 // Every state tensor the optimizer holds, for all its parameters (undefined ones left out).
 std::vector<at::Tensor> optimizer_state_tensors(const torch::optim::Optimizer& optimizer);
 
-// The key torch::optim uses for a parameter in Optimizer::state().
-std::string param_state_key(const at::Tensor& parameter);
+// The key torch::optim uses for a parameter in Optimizer::state() (text in 1.13, a pointer in 2.x).
+compat::OptimizerStateKey param_state_key(const at::Tensor& parameter);
 
 }  // namespace memfit

@@ -146,7 +146,7 @@ class ShardedDataParallel {
   void keep_owned_state(torch::optim::Optimizer& full, torch::optim::Optimizer& sharded) const;
 
  private:
-  void send_param_state(torch::optim::Optimizer& sharded, const std::string& key, size_t slots, const char* what);
+  void send_param_state(torch::optim::Optimizer& sharded, const compat::OptimizerStateKey& key, size_t slots, const char* what);
   void receive_param_state(torch::optim::Optimizer& full, size_t index, int from, OptimizerFamily family,
                            const char* what);
 

@@ -1,0 +1,58 @@
+#!/usr/bin/env bash
+# The second build: memfit against LibTorch 2.x from PyPI's `torch` wheel (CUDA 13 variant: it
+# carries libtorch_cuda and links NCCL), then the whole test suite on the CPU. CI runs it after
+# scripts/test.sh, which installs the Debian packages both builds share.
+#
+#   bash scripts/test-torch2.sh
+#
+# Environment: TORCH2_VERSION (2.11.0: what the GPU machines run), TORCH2_VENV (.venv-torch2),
+# TORCH2_BUILD_DIR (build-torch2), TORCH2_JOBS (all cores).
+#
+# The wheel's LibTorch is used as-is: -DCMAKE_PREFIX_PATH names the torch package folder (for
+# its lib/, before the system's /usr/lib where Debian's 1.13 lives) and its share/cmake (for
+# TorchConfig.cmake). Its CUDA libraries (cuBLAS, cuDNN, NCCL, ...) come as the wheel's pip
+# dependencies; CMake's CUDA checks use the machine's toolkit (nvcc). No GPU is needed: a CUDA
+# build of torch runs on the CPU where none is present. The tests' Python side (exports,
+# checks, the PyTorch twin) uses the same torch, from the virtual environment.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+version=${TORCH2_VERSION:-2.11.0}
+venv=${TORCH2_VENV:-.venv-torch2}
+build=${TORCH2_BUILD_DIR:-build-torch2}
+jobs=${TORCH2_JOBS:-$(nproc)}
+start=$SECONDS
+
+# The CUDA toolkit's nvcc: Caffe2's CMake config looks for it when the Torch is a CUDA build.
+for d in /usr/local/cuda/bin /usr/local/cuda-13*/bin; do
+  [ -x "$d/nvcc" ] && export PATH="$d:$PATH" && break
+done
+command -v nvcc >/dev/null || { echo "test-torch2: nvcc not found (the CUDA 13 toolkit is needed to configure a CUDA LibTorch)" >&2; exit 1; }
+
+# Python 3.11 (the wheel is cp311): Debian 12's, or the first on PATH.
+python=python3
+"$python" -c 'import sys; assert sys.version_info[:2] == (3, 11)' 2>/dev/null || python=/usr/bin/python3
+if [ ! -x "$venv/bin/python" ]; then
+  if ! "$python" -m venv "$venv" 2>/dev/null; then
+    sudo_cmd=""; [ "$(id -u)" -eq 0 ] || sudo_cmd="sudo"
+    $sudo_cmd apt-get install -y -qq --no-install-recommends python3-venv
+    "$python" -m venv "$venv"
+  fi
+fi
+t0=$SECONDS
+"$venv/bin/pip" install -q --disable-pip-version-check "torch==$version" numpy
+echo "test-torch2: torch $version installed in $venv ($((SECONDS - t0)) s)"
+torch_dir=$("$venv/bin/python" -c 'import os, torch; print(os.path.dirname(torch.__file__))')
+
+t0=$SECONDS
+cmake -S . -B "$build" -DCMAKE_BUILD_TYPE=Release -DMEMFIT_BUILD_BENCH=OFF \
+  "-DCMAKE_PREFIX_PATH=$torch_dir;$torch_dir/share/cmake" >/dev/null
+cmake --build "$build" -j"$jobs"
+echo "test-torch2: built $build ($((SECONDS - t0)) s)"
+
+echo "test-torch2: $("$build/memfit" --version)"
+echo "test-torch2: $build/memfit links: $(ldd "$build/memfit" | grep -oE 'lib(torch_cuda|c10_cuda|nccl)[^ ]*' | sort -u | paste -sd' ')"
+
+export MEMFIT_TEST_PYTHON="$PWD/$venv/bin/python"
+cd "$build"
+ctest --output-on-failure -j1 --timeout 900
+echo "test-torch2: done in $((SECONDS - start)) s"
