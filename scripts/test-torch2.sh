@@ -17,7 +17,7 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 version=${TORCH2_VERSION:-2.11.0}
-venv=${TORCH2_VENV:-.venv-torch2}
+venv=$(realpath -m "${TORCH2_VENV:-.venv-torch2}")
 build=${TORCH2_BUILD_DIR:-build-torch2}
 jobs=${TORCH2_JOBS:-$(nproc)}
 start=$SECONDS
@@ -52,7 +52,7 @@ echo "test-torch2: built $build ($((SECONDS - t0)) s)"
 echo "test-torch2: $("$build/memfit" --version)"
 echo "test-torch2: $build/memfit links: $(ldd "$build/memfit" | grep -oE 'lib(torch_cuda|c10_cuda|nccl)[^ ]*' | sort -u | paste -sd' ')"
 
-export MEMFIT_TEST_PYTHON="$PWD/$venv/bin/python"
+export MEMFIT_TEST_PYTHON="$venv/bin/python"
 cd "$build"
 ctest --output-on-failure -j1 --timeout 900
 echo "test-torch2: done in $((SECONDS - start)) s"
