@@ -40,5 +40,8 @@ check "train --dist-timeout 1e30 --world-size 2 --steps 1" "--dist-timeout"
 check "train --optimizer lamb" "--optimizer 'lamb'"
 check "train --optimizer adam --momentum 0.9" "--momentum 0.9"
 check "report --device tpu" "--device 'tpu'"
+check "train --optimizer-state int8 --steps 1" "--optimizer-state 'int8'"
+check "train --optimizer sgd --optimizer-state 8bit --steps 1" "--optimizer-state '8bit'"
+check "report --optimizer-state auto" "--optimizer-state 'auto'"
 echo "cli bad input: $pass passed, $fail failed"
 [ $fail -eq 0 ]

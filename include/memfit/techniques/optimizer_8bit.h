@@ -34,6 +34,7 @@
 #include <torch/optim/serialize.h>
 
 #include <cstdint>
+#include <deque>
 #include <tuple>
 #include <vector>
 
@@ -122,7 +123,7 @@ class Adam8bit : public torch::optim::Optimizer {
   void update(at::Tensor& param, const at::Tensor& grad, const Adam8bitOptions& options);
   void check_loaded_state() const;
 
-  std::vector<DynamicMap> maps_;  // per device and signedness, made on first use
+  std::deque<DynamicMap> maps_;  // per device and signedness, made on first use (references stay valid)
   int64_t skipped_updates_ = 0;
 };
 
