@@ -55,6 +55,9 @@ TEST(Optimizer8BitTest, QuantizeDequantizeErrorPerBlockWithinTheMapsBound) {
     ASSERT_EQ(q.codes.scalar_type(), at::kByte);
     ASSERT_EQ(q.codes.numel(), x.numel());
     ASSERT_EQ(q.absmax.numel(), 4);
+    // The codes are those of the nearest entry, as a search over the midpoints finds them.
+    const at::Tensor scale = q.absmax.repeat_interleave(kQuantBlockSize).narrow(0, 0, x.numel());
+    EXPECT_TRUE(q.codes.equal(at::bucketize(x / scale, map.midpoints).to(at::kByte)));
     const at::Tensor restored = dequantize_blockwise(q.codes, q.absmax, map);
     const auto errors = block_errors(x, restored, q.absmax);
     for (size_t b = 0; b < errors.size(); ++b) {
@@ -262,21 +265,29 @@ TEST(Optimizer8BitTest, StateBytesAreAQuarterOfFp32AsTheTrackerCounts) {
   auto tracker = std::make_shared<MemoryTracker>();
   TrackerScope scope(tracker);
   torch::nn::Sequential model(torch::nn::Linear(512, 512), torch::nn::Linear(512, 100));
-  OptimizerSpec fp32;
-  const OptimizerCost a = measure_optimizer(fp32, model->parameters(), *tracker);
-  const OptimizerCost b = measure_optimizer(fp32.with_state(StatePrecision::k8Bit), model->parameters(), *tracker);
-  EXPECT_EQ(a.state, StatePrecision::kFP32);
-  EXPECT_EQ(b.state, StatePrecision::k8Bit);
-  // 8-bit: one byte per value and an fp32 absmax per block, per moment; the two maps (256
-  // entries and 255 midpoints each), kept by the optimizer.
-  int64_t expected = 2 * (256 + 255) * 4;
+  const int64_t maps = dynamic_maps_bytes();  // made once per process, here if not before
+  EXPECT_EQ(maps, 2 * (4 * 256 + 4 * 255 + 65536 + 4 * 65536));
+  for (auto& p : model->parameters()) p.mutable_grad() = at::randn_like(p);
+  const int64_t before = tracker->current();
+  Adam8bit optimizer(model->parameters());
+  optimizer.step();
+  const int64_t state = tracker->current() - before;
+  int64_t expected = 0;  // one byte per value and an fp32 absmax per block, per moment
   for (const auto& p : model->parameters()) {
     expected += p.numel() < kMin8bitNumel ? 8 * p.numel() : 2 * (p.numel() + 4 * num_quant_blocks(p.numel()));
   }
-  EXPECT_EQ(b.state_bytes, expected);
-  EXPECT_EQ(a.state_bytes, 2 * parameter_bytes(*model));
-  EXPECT_LE(static_cast<double>(b.state_bytes), 0.27 * static_cast<double>(a.state_bytes));
-  RecordProperty("ratio", std::to_string(static_cast<double>(b.state_bytes) / static_cast<double>(a.state_bytes)));
+  EXPECT_EQ(state, expected);
+  int64_t held = 0;  // the same tensors the breakdown counts as optimizer state
+  for (const auto& t : optimizer_state_tensors(optimizer)) held += static_cast<int64_t>(t.nbytes());
+  EXPECT_EQ(held, expected);
+  const OptimizerCost fp32 = measure_optimizer(OptimizerSpec{}, model->parameters(), *tracker);
+  EXPECT_EQ(fp32.state_bytes, 2 * parameter_bytes(*model));
+  EXPECT_LE(static_cast<double>(state), 0.27 * static_cast<double>(fp32.state_bytes));
+  RecordProperty("ratio", std::to_string(static_cast<double>(state) / static_cast<double>(fp32.state_bytes)));
+  // What the planner is given: the state and the maps, alive all along.
+  const OptimizerCost q8 = measure_optimizer(OptimizerSpec{}.with_state(StatePrecision::k8Bit), model->parameters(), *tracker);
+  EXPECT_EQ(q8.state, StatePrecision::k8Bit);
+  EXPECT_EQ(q8.state_bytes, expected + maps);
 }
 
 TEST(Optimizer8BitTest, SaveAndLoadRoundTripBitExactly) {

@@ -7,6 +7,7 @@
 #include <limits>
 
 #include "memfit/runtime/step.h"
+#include "memfit/techniques/optimizer_8bit.h"
 #include "memfit/techniques/grads.h"
 #include "memfit/techniques/rng.h"
 
@@ -242,11 +243,18 @@ OptimizerCost measure_optimizer(const OptimizerSpec& spec, const std::vector<at:
     for (const auto& p : params) saved.push_back(p.detach().clone());
     for (auto p : params) p.mutable_grad() = at::zeros_like(p);
   }
+  // 8-bit state: its maps are made first (once per process), so that the step measures the
+  // state alone; they stay alive, so the cost counts their bytes too.
+  if (cost.state == StatePrecision::k8Bit) {
+    dynamic_map(true, params.front().device());
+    dynamic_map(false, params.front().device());
+  }
   {
     const int64_t before = tracker.current();
     auto optimizer = make_optimizer(spec.with_state(cost.state), params);
     optimizer->step();  // makes the state
     cost.state_bytes = tracker.current() - before;
+    if (cost.state == StatePrecision::k8Bit) cost.state_bytes += dynamic_maps_bytes();
     const int64_t steady = tracker.current();
     tracker.reset_peak();
     cost.seconds = std::numeric_limits<double>::infinity();

@@ -4,7 +4,9 @@
 
 #include <algorithm>
 #include <cmath>
+#include <deque>
 #include <limits>
+#include <mutex>
 
 namespace memfit {
 namespace {
@@ -47,16 +49,39 @@ std::vector<float> map_entries(bool is_signed) {
   return {entries.begin(), entries.end()};
 }
 
-// Rows of `block` values: absmax per row, then the code of the nearest map entry to each value
-// divided by its row's absmax. An all-zero row keeps absmax 0 (its values dequantize to 0).
+// The bucket of a float in [-1, 1]: its top 16 bits as a signed number, shifted to 0..65535.
+at::Tensor buckets_of(const at::Tensor& r) {
+  return at::bitwise_right_shift(r.view(at::kInt), 16).add_(32768).view(-1);
+}
+
+// For each bucket: the code of its lowest value and the threshold above which the next code
+// is nearer (+inf if none), found once with a search over the midpoints (bucketize).
+void make_bucket_tables(DynamicMap& map) {
+  const at::Tensor top = at::arange(-32768, 32768, at::kInt).mul_(65536);  // a bucket's first bit pattern
+  const at::Tensor a = top.view(at::kFloat), b = at::bitwise_or(top, 0xFFFF).view(at::kFloat);
+  // Buckets of NaN and inf patterns (never met: gradients are checked) map to code 0.
+  const at::Tensor low = at::nan_to_num(at::minimum(a, b), 0, 0, 0), high = at::nan_to_num(at::maximum(a, b), 0, 0, 0);
+  const at::Tensor code_low = at::bucketize(low, map.midpoints), code_high = at::bucketize(high, map.midpoints);
+  TORCH_INTERNAL_ASSERT((code_high - code_low).le(1).all().item<bool>(),
+                        "memfit: a bucket of the dynamic map holds two midpoints");
+  const at::Tensor split = code_high.gt(code_low);
+  map.bucket_codes = code_low.to(at::kByte);
+  map.bucket_thresholds = at::where(split, map.midpoints.index_select(0, code_low.clamp_max(254)),
+                                    at::full({}, std::numeric_limits<float>::infinity()));
+}
+
+// Rows of one block each: absmax per row, then each value divided by its row's absmax gets the
+// code of its nearest map entry. An all-zero row keeps absmax 0 (its values dequantize to 0).
 void quantize_rows(const at::Tensor& x, const DynamicMap& map, const at::Tensor& codes, const at::Tensor& absmax) {
-  at::Tensor scratch = x.abs();
   at::Tensor absmax_out = absmax;  // (the same storage: *_out takes a mutable handle)
-  at::amax_out(absmax_out, scratch, {1});
+  at::Tensor r = map.is_signed ? x.abs() : at::empty_like(x);
+  at::amax_out(absmax_out, map.is_signed ? r : x, {1});
   // Dividing by at least FLT_MIN: an all-zero block gives zeros, never 0/0.
-  const at::Tensor scale = absmax.clamp_min(std::numeric_limits<float>::min()).unsqueeze(1);
-  at::div_out(scratch, x, scale);
-  codes.copy_(at::bucketize(scratch, map.midpoints, /*out_int32=*/true));
+  at::div_out(r, x, absmax.clamp_min(std::numeric_limits<float>::min()).unsqueeze(1));
+  const at::Tensor bucket = buckets_of(r);
+  const at::Tensor above = at::gt(r.view(-1), map.bucket_thresholds.index_select(0, bucket));
+  at::Tensor codes_out = codes.view(-1);
+  at::add_out(codes_out, map.bucket_codes.index_select(0, bucket), above);
 }
 
 // Calls fn(first value, the values as rows of one block each, those blocks' absmax) for the
@@ -75,8 +100,12 @@ void for_block_rows(int64_t num_parameters, const at::Tensor& values, const at::
 std::vector<bool> usable_gradients(const std::vector<at::Tensor>& grads) {
   std::vector<at::Tensor> flags;
   for (const auto& g : grads) {
-    flags.push_back(g.numel() == 0 ? at::ones({}, g.options().dtype(at::kBool))
-                                   : at::isfinite(g.abs().amax().to(at::kFloat).square()));
+    if (g.numel() == 0) {
+      flags.push_back(at::ones({}, g.options().dtype(at::kBool)));
+      continue;
+    }
+    const auto [low, high] = at::aminmax(g);  // one pass; NaN propagates
+    flags.push_back(at::isfinite(at::maximum(high, -low).to(at::kFloat).square()));
   }
   std::vector<bool> out;
   if (flags.empty()) return out;
@@ -136,9 +165,31 @@ DynamicMap DynamicMap::make(bool is_signed, c10::Device device) {
   map.is_signed = is_signed;
   map.values = at::tensor(entries, at::kFloat);
   map.midpoints = (map.values.narrow(0, 0, 255) + map.values.narrow(0, 1, 255)) / 2;
-  map.values = map.values.to(device);
-  map.midpoints = map.midpoints.to(device);
+  make_bucket_tables(map);
+  for (at::Tensor* t : {&map.values, &map.midpoints, &map.bucket_codes, &map.bucket_thresholds}) *t = t->to(device);
   return map;
+}
+
+const DynamicMap& dynamic_map(bool is_signed, c10::Device device) {
+  static std::mutex mutex;
+  static std::deque<DynamicMap> maps;  // a deque: references stay valid as it grows
+  std::lock_guard<std::mutex> lock(mutex);
+  for (const auto& m : maps) {
+    if (m.is_signed == is_signed && m.values.device() == device) return m;
+  }
+  maps.push_back(DynamicMap::make(is_signed, device));
+  return maps.back();
+}
+
+int64_t dynamic_maps_bytes() {
+  int64_t bytes = 0;
+  for (bool is_signed : {true, false}) {
+    const DynamicMap& m = dynamic_map(is_signed);
+    for (const at::Tensor* t : {&m.values, &m.midpoints, &m.bucket_codes, &m.bucket_thresholds}) {
+      bytes += static_cast<int64_t>(t->nbytes());
+    }
+  }
+  return bytes;
 }
 
 double DynamicMap::max_error() const {
@@ -237,14 +288,6 @@ Adam8bit::Adam8bit(std::vector<OptimizerParamGroup> param_groups, Adam8bitOption
 Adam8bit::Adam8bit(std::vector<at::Tensor> params, Adam8bitOptions defaults)
     : Adam8bit({OptimizerParamGroup(std::move(params))}, defaults) {}
 
-const DynamicMap& Adam8bit::map_for(bool is_signed, c10::Device device) {
-  for (const auto& m : maps_) {
-    if (m.is_signed == is_signed && m.values.device() == device) return m;
-  }
-  maps_.push_back(DynamicMap::make(is_signed, device));
-  return maps_.back();
-}
-
 at::Tensor Adam8bit::step(LossClosure closure) {
   at::NoGradGuard no_grad;
   at::Tensor loss;
@@ -283,8 +326,8 @@ void Adam8bit::update(at::Tensor& param, const at::Tensor& grad, const Adam8bitO
     adam_math(param, grad, s.exp_avg(), s.exp_avg_sq(), o, scalars);
     return;
   }
-  const DynamicMap& signed_map = map_for(true, param.device());
-  const DynamicMap& unsigned_map = map_for(false, param.device());
+  const DynamicMap& signed_map = dynamic_map(true, param.device());
+  const DynamicMap& unsigned_map = dynamic_map(false, param.device());
   // Flat views of whole blocks at a time (a non-contiguous parameter is updated on a copy).
   at::Tensor flat_param = param.is_contiguous() ? param.view(-1) : param.contiguous().view(-1);
   const at::Tensor flat_grad = grad.contiguous().view(-1).to(at::kFloat);

@@ -71,7 +71,8 @@ int64_t calibrated(int64_t bytes, double calibration);
 
 // What the optimizer keeps and makes, on this process, with one state precision.
 struct OptimizerCost {
-  int64_t state_bytes = 0;  // alive between steps (AdamW: 2x the parameters' bytes; 8-bit: ~0.5x)
+  int64_t state_bytes = 0;  // alive between steps (AdamW: 2x the parameters' bytes; 8-bit: ~0.5x,
+                            // plus its maps, made once per process: techniques/optimizer_8bit.h)
   int64_t step_bytes = 0;   // temporaries at the peak of a steady-state step, above the state
   double seconds = 0;       // one steady-state step (0: not measured)
   StatePrecision state = StatePrecision::kFP32;  // fp32 or 8bit, never auto

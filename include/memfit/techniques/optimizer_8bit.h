@@ -34,7 +34,6 @@
 #include <torch/optim/serialize.h>
 
 #include <cstdint>
-#include <deque>
 #include <tuple>
 #include <vector>
 
@@ -44,16 +43,28 @@ constexpr int64_t kQuantBlockSize = 2048;  // values per block (paper §2.1, bit
 constexpr int64_t kMin8bitNumel = 4096;    // smaller tensors keep fp32 moments (bitsandbytes)
 
 // The 256 values of the dynamic map (sorted ascending, fp32, on `device`) and the 255
-// midpoints between neighbours: a value is quantized to the nearest map entry.
+// midpoints between neighbours: a value is quantized to the nearest map entry (ties to the
+// lower one). Nearest is found without a search: the top 16 bits of a value's fp32 pattern
+// name one of 65536 buckets, each narrower than the gap between two neighbouring midpoints,
+// so each holds at most one midpoint: its lower values take bucket_codes[b], those above
+// bucket_thresholds[b] (the midpoint, or +inf) the next code.
 struct DynamicMap {
   at::Tensor values;
   at::Tensor midpoints;
+  at::Tensor bucket_codes;       // uint8 [65536]
+  at::Tensor bucket_thresholds;  // fp32 [65536]
   bool is_signed = true;
   static DynamicMap make(bool is_signed, c10::Device device = c10::kCPU);
   // The largest |x - nearest entry| for x in [-1, 1] (signed) or [0, 1] (unsigned): the
   // error bound of a quantized value, relative to its block's absmax.
   double max_error() const;
 };
+
+// The map of each signedness on `device`, made on first use and kept for the process's life
+// (shared by every Adam8bit: constants, ~322 KiB each with their bucket tables, not state).
+const DynamicMap& dynamic_map(bool is_signed, c10::Device device = c10::kCPU);
+// The bytes both maps hold on one device.
+int64_t dynamic_maps_bytes();
 
 // The number of blocks a tensor of num_parameters values needs.
 int64_t num_quant_blocks(int64_t num_parameters);
@@ -119,11 +130,9 @@ class Adam8bit : public torch::optim::Optimizer {
   int64_t skipped_updates() const { return skipped_updates_; }
 
  private:
-  const DynamicMap& map_for(bool is_signed, c10::Device device);
   void update(at::Tensor& param, const at::Tensor& grad, const Adam8bitOptions& options);
   void check_loaded_state() const;
 
-  std::deque<DynamicMap> maps_;  // per device and signedness, made on first use (references stay valid)
   int64_t skipped_updates_ = 0;
 };
 
