@@ -169,6 +169,91 @@ TEST(PlanSearchTest, PlanJsonRoundTrips) {
   EXPECT_THROW(plan_from_json(plan_json(p), 1), OptionError);
 }
 
+// The optimizer's state precision as a dimension (state auto): fp32 AdamW's cost as above, and
+// an 8-bit state of about a quarter of its bytes whose step takes twice as long.
+OptimizerCost eight_bit_cost(double seconds = 0.002) {
+  OptimizerCost c;
+  c.state = StatePrecision::k8Bit;
+  c.state_bytes = 2 * (40000 + 4 * 20);  // one byte per value, an fp32 absmax per block, per moment
+  c.step_bytes = 3 * 40000;
+  c.seconds = seconds;
+  return c;
+}
+
+PlanRequest auto_request(double eight_bit_seconds = 0.002) {
+  PlanRequest r = hand_request();
+  r.step.optimizer.state = StatePrecision::kAuto;
+  r.optimizer.seconds = 0.001;
+  r.optimizer_alternatives = {eight_bit_cost(eight_bit_seconds)};
+  return r;
+}
+
+PlanRequest only(const OptimizerCost& cost) {
+  PlanRequest r = hand_request();
+  r.step.optimizer.state = cost.state;
+  r.optimizer = cost;
+  return r;
+}
+
+bool has_note(const Plan& p, const std::string& text) {
+  return std::any_of(p.notes.begin(), p.notes.end(), [&](const std::string& n) { return n.find(text) != std::string::npos; });
+}
+
+TEST(PlanSearchTest, StateAutoKeepsFp32WhenItFitsAsFast) {
+  const Planner planner(hand_workload(), auto_request());
+  const Plan p = planner.plan(int64_t{1} << 40);
+  ASSERT_TRUE(p.feasible);
+  EXPECT_EQ(p.config.optimizer.state, StatePrecision::kFP32);
+  EXPECT_TRUE(has_note(p, "optimizer state fp32 kept")) << plan_json(p).dump();
+}
+
+TEST(PlanSearchTest, StateAutoTakes8BitWhenItLetsAFasterPlanFit) {
+  const Planner fp32(hand_workload(), only(auto_request().optimizer));
+  const Planner q8(hand_workload(), only(eight_bit_cost()));
+  // A budget the plain step fits with 8-bit state only.
+  const int64_t p32 = fp32.evaluate(8, Precision::kFP32, {}, int64_t{1} << 40).predicted_peak;
+  const int64_t p8 = q8.evaluate(8, Precision::kFP32, {}, int64_t{1} << 40).predicted_peak;
+  ASSERT_LT(p8, p32);
+  const auto budget = static_cast<int64_t>(static_cast<double>(p8 + p32) / 2 / 0.97);
+  const Plan with32 = fp32.plan(budget), with8 = q8.plan(budget);
+  ASSERT_TRUE(with32.feasible && with8.feasible);
+  EXPECT_FALSE(with32.config.checkpoint.empty() && with32.config.micro_batch_size() == 8) << "fp32 must give something up";
+  // With its slower optimizer step counted, 8-bit is still the faster plan here...
+  ASSERT_LT(with8.predicted_seconds + 0.002, 0.99 * (with32.predicted_seconds + 0.001));
+  const Plan p = Planner(hand_workload(), auto_request()).plan(budget);
+  ASSERT_TRUE(p.feasible);
+  EXPECT_EQ(p.config.optimizer.state, StatePrecision::k8Bit);
+  EXPECT_EQ(p.config.micro_batch_size(), with8.config.micro_batch_size());
+  EXPECT_EQ(p.config.checkpoint.segments, with8.config.checkpoint.segments);
+  EXPECT_TRUE(has_note(p, "optimizer state 8bit chosen: its best plan is predicted")) << plan_json(p).dump();
+  // ...but not when its step costs more than the recompute it saves: fp32 is kept.
+  const Plan slow = Planner(hand_workload(), auto_request(1.0)).plan(budget);
+  ASSERT_TRUE(slow.feasible);
+  EXPECT_EQ(slow.config.optimizer.state, StatePrecision::kFP32);
+  EXPECT_EQ(slow.config.checkpoint.segments, with32.config.checkpoint.segments);
+  EXPECT_TRUE(has_note(slow, "optimizer state fp32 kept")) << plan_json(slow).dump();
+  // The plan says which state it runs, through its JSON form too.
+  const Plan back = plan_from_json(nlohmann::json::parse(plan_json(p).dump()), 4);
+  EXPECT_EQ(back.config.optimizer.state, StatePrecision::k8Bit);
+}
+
+TEST(PlanSearchTest, StateAutoTakes8BitWhenNothingElseFitsAndLowersTheFloor) {
+  const Planner fp32(hand_workload(), only(auto_request().optimizer));
+  const Planner q8(hand_workload(), only(eight_bit_cost()));
+  const Planner both(hand_workload(), auto_request(1.0));  // however slow its step
+  EXPECT_LT(q8.floor_bytes(), fp32.floor_bytes());
+  EXPECT_EQ(both.floor_bytes(), q8.floor_bytes());
+  const int64_t budget = (q8.floor_bytes() + fp32.floor_bytes()) / 2;
+  EXPECT_FALSE(fp32.plan(budget).feasible);
+  const Plan p = both.plan(budget);
+  ASSERT_TRUE(p.feasible);
+  EXPECT_EQ(p.config.optimizer.state, StatePrecision::k8Bit);
+  EXPECT_TRUE(has_note(p, "no plan with fp32 state fits")) << plan_json(p).dump();
+  // A pinned state is never changed: 8bit asked, 8bit planned, even with room for fp32.
+  const Plan pinned = q8.plan(int64_t{1} << 40);
+  EXPECT_EQ(pinned.config.optimizer.state, StatePrecision::k8Bit);
+}
+
 TEST(PlanSearchTest, BatchMustMatchTheProfile) {
   PlanRequest r = hand_request();
   r.step.batch = 16;

@@ -20,6 +20,7 @@
 #include "memfit/techniques/grad_scaler.h"
 #include "memfit/techniques/grads.h"
 #include "memfit/techniques/metrics.h"
+#include "memfit/techniques/optimizer_8bit.h"
 #include "memfit/techniques/rng.h"
 
 // runtime/: a workload (chain, data, loss), the optimizer and the step configuration as

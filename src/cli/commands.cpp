@@ -121,6 +121,7 @@ int run_report_command(WorkloadFlags& wf, const StepFlags& sf, const ReportFlags
   // A report runs one configuration: "auto" (chosen by a plan) is for plan and train.
   check_option(sf.precision != "auto", "precision", "'auto'", "report runs one precision: fp32, bf16 or fp16");
   check_option(sf.checkpoint != "auto", "checkpoint", "'auto'", "report runs one schedule: none, all, every:K or i,j,...");
+  check_option(sf.optimizer_state != "auto", "optimizer.state", "'auto'", "report runs one optimizer state: fp32 or 8bit");
   Workload w = build_workload(wf);
   ReportOptions o;
   o.step = step_config(sf, w.chain->size());

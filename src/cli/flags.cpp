@@ -47,6 +47,10 @@ void add_step_flags(CLI::App& app, StepFlags& f, bool planned) {
   app.add_option("--momentum", f.momentum, "sgd, rmsprop: momentum")->capture_default_str();
   app.add_option("--weight-decay", f.weight_decay, "weight decay (default: adamw 0.01, others 0)");
   app.add_option("--betas", f.betas, "adam, adamw: B1,B2")->capture_default_str();
+  app.add_option("--optimizer-state", f.optimizer_state,
+                 std::string("adam, adamw: fp32 | 8bit (blockwise 8-bit moments, ~1/4 of the bytes)") +
+                     (planned ? " | auto (8bit only where it lets a faster plan fit, or any plan)" : ""))
+      ->capture_default_str();
 }
 
 Workload build_workload(WorkloadFlags& f) {
@@ -93,6 +97,7 @@ OptimizerSpec optimizer_spec(const StepFlags& f) {
   if (!(in >> s.beta1 >> comma >> s.beta2) || comma != ',' || !in.eof()) {
     throw OptionError("optimizer.betas", "'" + f.betas + "'", "expected B1,B2 like 0.9,0.999");
   }
+  s.state = parse_state_precision(f.optimizer_state);
   check_optimizer_spec(s);
   return s;
 }
@@ -121,6 +126,7 @@ std::string flag_message(const OptionError& e) {
       {"checkpoint", "--checkpoint"}, {"steps", "--steps"}, {"budget", "--budget"}, {"device", "--device"},
       {"threads", "--threads"}, {"model", "--model"}, {"optimizer", "--optimizer"}, {"optimizer.lr", "--lr"},
       {"optimizer.momentum", "--momentum"}, {"optimizer.weight_decay", "--weight-decay"}, {"optimizer.betas", "--betas"},
+      {"optimizer.state", "--optimizer-state"},
       {"gpt.layers", "--layers"}, {"mlp.layers", "--layers"}, {"gpt.d_model", "--d-model"}, {"gpt.heads", "--heads"},
       {"gpt.seq", "--seq"}, {"gpt.dropout", "--dropout"}, {"gpt.vocab", "--data"}, {"cnn.blocks", "--blocks"},
       {"cnn.channels", "--channels"}, {"mlp.width", "--width"}, {"world_size", "--world-size"}, {"zero_stage", "--zero"},

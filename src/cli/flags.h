@@ -33,6 +33,7 @@ struct StepFlags {
   double momentum = 0;
   std::optional<double> weight_decay;
   std::string betas = "0.9,0.999";
+  std::string optimizer_state = "fp32";  // fp32 | 8bit | auto (report: fp32 | 8bit)
 };
 
 void add_workload_flags(CLI::App& app, WorkloadFlags& flags);

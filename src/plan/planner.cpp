@@ -41,8 +41,23 @@ const PrecisionProfile& Planner::precision_profile(Precision precision) const {
   TORCH_CHECK(false, "memfit::Planner: precision ", precision_name(precision), " was not profiled");
 }
 
-ChainCosts Planner::costs_at(int64_t m) const { return costs_at(m, profile_.precisions.front()); }
-ChainCosts Planner::costs_at(int64_t m, Precision precision) const { return costs_at(m, precision_profile(precision)); }
+const OptimizerCost& Planner::optimizer_cost(StatePrecision state) const {
+  for (const OptimizerCost* c : optimizer_candidates()) {
+    if (c->state == state) return *c;
+  }
+  TORCH_CHECK(false, "memfit::Planner: the optimizer was not measured with ", state_precision_name(state), " state");
+}
+
+std::vector<const OptimizerCost*> Planner::optimizer_candidates() const {
+  std::vector<const OptimizerCost*> out{&request_.optimizer};
+  for (const auto& c : request_.optimizer_alternatives) out.push_back(&c);
+  return out;
+}
+
+ChainCosts Planner::costs_at(int64_t m) const { return costs_at(m, profile_.precisions.front(), request_.optimizer); }
+ChainCosts Planner::costs_at(int64_t m, Precision precision) const {
+  return costs_at(m, precision_profile(precision), request_.optimizer);
+}
 
 double Planner::chain_seconds(int64_t m, const PrecisionProfile& p) const {
   // The plain chain's measured seconds at m: the line through the two measured sizes, never
@@ -61,7 +76,7 @@ double Planner::chain_seconds(int64_t m, const PrecisionProfile& p) const {
                         : p.chain_seconds_large * static_cast<double>(m) / static_cast<double>(m2);
 }
 
-ChainCosts Planner::costs_at(int64_t m, const PrecisionProfile& p) const {
+ChainCosts Planner::costs_at(int64_t m, const PrecisionProfile& p, const OptimizerCost& optimizer) const {
   ChainCosts c = block_costs_at(p, m);
   double block_seconds = 0;
   for (const auto& b : c.blocks) block_seconds += b.forward_seconds + b.backward_seconds;
@@ -72,25 +87,26 @@ ChainCosts Planner::costs_at(int64_t m, const PrecisionProfile& p) const {
       b.backward_seconds *= scale;
     }
   }
-  c.fixed_bytes = profile_.weight_bytes + request_.optimizer.state_bytes + profile_.batch_bytes + request_.resident_bytes;
+  c.fixed_bytes = profile_.weight_bytes + optimizer.state_bytes + profile_.batch_bytes + request_.resident_bytes;
   c.gradients_present = m < profile_.batch || !request_.step.set_to_none;
   c.segment_overhead_bytes = profile_.segment_overhead_bytes;
   return c;
 }
 
-int64_t Planner::optimizer_peak() const {
+int64_t Planner::optimizer_peak(const OptimizerCost& optimizer) const {
   // The optimizer step: weights, gradients, the optimizer's state and temporaries (both
   // measured), the batch, and what else lives then (state gathered for saving).
   const int64_t gradients = request_.gradient_bytes >= 0 ? request_.gradient_bytes : profile_.weight_bytes;
-  return profile_.weight_bytes + gradients + request_.optimizer.state_bytes + request_.optimizer.step_bytes +
+  return profile_.weight_bytes + gradients + optimizer.state_bytes + optimizer.step_bytes +
          profile_.batch_bytes + request_.extra_bytes + request_.resident_bytes;
 }
 
 double Planner::step_seconds(int64_t m, const PrecisionProfile& p, const std::vector<std::pair<int, int>>& segments) const {
   const int64_t B = profile_.batch;
   const int64_t full = B / m, rest = B % m;
-  double seconds = static_cast<double>(full) * evaluate_schedule(costs_at(m, p), segments).seconds;
-  if (rest > 0) seconds += evaluate_schedule(costs_at(rest, p), segments).seconds;
+  // (Seconds do not depend on the optimizer's bytes.)
+  double seconds = static_cast<double>(full) * evaluate_schedule(costs_at(m, p, request_.optimizer), segments).seconds;
+  if (rest > 0) seconds += evaluate_schedule(costs_at(rest, p, request_.optimizer), segments).seconds;
   return seconds;
 }
 
@@ -110,22 +126,26 @@ Plan Planner::prediction_base(int64_t budget) const {
   p.baseline_precision = profile_.precisions.front().precision;
   p.config.precision = p.baseline_precision;
   const Schedule plain = evaluate_schedule(costs_at(profile_.batch), {});
-  p.plain_predicted_peak = std::max(plain.peak_bytes, optimizer_peak());
+  p.plain_predicted_peak = std::max(plain.peak_bytes, optimizer_peak(request_.optimizer));
   p.plain_predicted_seconds = plain.seconds;
   p.floor_bytes = floor_bytes();
   p.checkpoint_pinned = request_.checkpoint.has_value();
   return p;
 }
 
-Plan Planner::evaluate(int64_t m, Precision precision, const CheckpointPlan& checkpoint, int64_t budget) const {
+Plan Planner::evaluate(int64_t m, Precision precision, const CheckpointPlan& checkpoint, int64_t budget,
+                       std::optional<StatePrecision> state) const {
   if (budget <= 0) budget = request_.budget_bytes;
   check_option(m >= 1 && m <= profile_.batch, "micro_batch", m, "expected 1 to batch (" + std::to_string(profile_.batch) + ")");
   const PrecisionProfile& pp = precision_profile(precision);
+  const OptimizerCost& optimizer = state ? optimizer_cost(*state) : request_.optimizer;
   Plan p = prediction_base(budget);
   p.config.micro_batch = m;
   p.config.precision = precision;
   p.config.checkpoint = checkpoint;
-  p.predicted_peak = std::max(evaluate_schedule(costs_at(m, pp), checkpoint.segments).peak_bytes, optimizer_peak());
+  p.config.optimizer = request_.step.optimizer.with_state(optimizer.state);
+  p.predicted_peak = std::max(evaluate_schedule(costs_at(m, pp, optimizer), checkpoint.segments).peak_bytes,
+                              optimizer_peak(optimizer));
   p.predicted_seconds = step_seconds(m, pp, checkpoint.segments);
   const auto usable = static_cast<int64_t>(static_cast<double>(budget) * (1.0 - request_.margin));
   p.feasible = p.predicted_peak <= usable;
@@ -133,18 +153,21 @@ Plan Planner::evaluate(int64_t m, Precision precision, const CheckpointPlan& che
 }
 
 int64_t Planner::floor_bytes() const {
-  // The smallest peak over precisions at the smallest micro-batch allowed, margin included.
+  // The smallest peak over precisions (and optimizer states) at the smallest micro-batch
+  // allowed, margin included.
   const int64_t m = request_.step.micro_batch > 0 ? request_.step.micro_batch : 1;
   int64_t smallest = std::numeric_limits<int64_t>::max();
-  for (const auto& pp : profile_.precisions) {
-    const ChainCosts c = costs_at(m, pp);
-    const int64_t s = request_.checkpoint ? evaluate_schedule(c, request_.checkpoint->segments).peak_bytes : smallest_peak(c);
-    smallest = std::min(smallest, std::max(s, optimizer_peak()));
+  for (const OptimizerCost* optimizer : optimizer_candidates()) {
+    for (const auto& pp : profile_.precisions) {
+      const ChainCosts c = costs_at(m, pp, *optimizer);
+      const int64_t s = request_.checkpoint ? evaluate_schedule(c, request_.checkpoint->segments).peak_bytes : smallest_peak(c);
+      smallest = std::min(smallest, std::max(s, optimizer_peak(*optimizer)));
+    }
   }
   return static_cast<int64_t>(std::ceil(static_cast<double>(smallest) / (1.0 - request_.margin)));
 }
 
-Plan Planner::best_plan_of(const PrecisionProfile& pp, int64_t usable) const {
+Plan Planner::best_plan_of(const PrecisionProfile& pp, const OptimizerCost& optimizer, int64_t usable) const {
   // Micro-batch sizes tried: the pinned one, or B, B/2, B/4, ... 1. Ties (within 1%) go to
   // the larger micro-batch.
   const int64_t B = profile_.batch;
@@ -157,9 +180,10 @@ Plan Planner::best_plan_of(const PrecisionProfile& pp, int64_t usable) const {
   Plan best;
   best.config = request_.step;
   best.config.precision = pp.precision;
-  if (optimizer_peak() > usable) return best;
+  best.config.optimizer = request_.step.optimizer.with_state(optimizer.state);
+  if (optimizer_peak(optimizer) > usable) return best;
   for (int64_t m : sizes) {
-    const ChainCosts costs = costs_at(m, pp);
+    const ChainCosts costs = costs_at(m, pp, optimizer);
     const Schedule s = request_.checkpoint ? evaluate_schedule(costs, request_.checkpoint->segments) : solve_schedule(costs, usable);
     if (!s.feasible || s.peak_bytes > usable) continue;
     const double seconds = step_seconds(m, pp, s.segments);
@@ -167,7 +191,7 @@ Plan Planner::best_plan_of(const PrecisionProfile& pp, int64_t usable) const {
     best.feasible = true;
     best.config.micro_batch = m;
     best.config.checkpoint.segments = s.segments;
-    best.predicted_peak = std::max(s.peak_bytes, optimizer_peak());
+    best.predicted_peak = std::max(s.peak_bytes, optimizer_peak(optimizer));
     best.predicted_seconds = seconds;
   }
   return best;
@@ -194,29 +218,85 @@ void Planner::explain_choice(Plan& p, const std::vector<Plan>& best_of) const {
   }
 }
 
+Plan Planner::best_plan_with(const OptimizerCost& optimizer, int64_t usable) const {
+  // The fastest fitting plan of each precision, then the fastest of those (ties, within 1%, go
+  // to the earlier precision), with the reasons for its precision in its notes.
+  std::vector<Plan> best_of;
+  for (const auto& pp : profile_.precisions) best_of.push_back(best_plan_of(pp, optimizer, usable));
+  const Plan* chosen = nullptr;
+  for (const auto& b : best_of) {
+    if (b.feasible && (chosen == nullptr || b.predicted_seconds < 0.99 * chosen->predicted_seconds)) chosen = &b;
+  }
+  if (chosen == nullptr) return best_of.front();
+  Plan p = *chosen;
+  explain_choice(p, best_of);
+  return p;
+}
+
+namespace {
+// What a step costs when the state precision is the choice: forward + backward and the
+// optimizer step (8-bit state costs more per step than fp32).
+double with_optimizer_seconds(const Plan& p, const OptimizerCost& c) { return p.predicted_seconds + c.seconds; }
+}  // namespace
+
+void Planner::explain_state_choice(Plan& p, const std::vector<Plan>& best_with, int64_t budget) const {
+  const auto candidates = optimizer_candidates();
+  if (candidates.size() < 2) return;
+  const OptimizerCost& chosen = optimizer_cost(p.config.optimizer.state);
+  const OptimizerCost& base = *candidates.front();
+  const std::string state = state_precision_name(chosen.state), base_name = state_precision_name(base.state);
+  const std::string bytes = " (state " + format_bytes(chosen.state_bytes) + " vs " + format_bytes(base.state_bytes) + ")";
+  if (&chosen == &base) {
+    for (size_t i = 1; i < candidates.size(); ++i) {
+      const Plan& b = best_with[i];
+      const std::string name = state_precision_name(candidates[i]->state);
+      char buf[200];
+      std::snprintf(buf, sizeof buf, "optimizer state %s kept: %s state's best plan is predicted %.2fx the time", state.c_str(),
+                    name.c_str(), with_optimizer_seconds(b, *candidates[i]) / with_optimizer_seconds(p, chosen));
+      p.notes.push_back(b.feasible ? buf : "optimizer state " + state + " kept: no " + name + " plan fits either");
+    }
+    return;
+  }
+  if (!best_with.front().feasible) {
+    p.notes.push_back("optimizer state " + state + " chosen: no plan with " + base_name + " state fits " + format_bytes(budget) + bytes);
+    return;
+  }
+  char buf[200];
+  std::snprintf(buf, sizeof buf, "optimizer state %s chosen: its best plan is predicted %.2fx the time of %s state's, optimizer step included",
+                state.c_str(), with_optimizer_seconds(p, chosen) / with_optimizer_seconds(best_with.front(), base), base_name.c_str());
+  p.notes.push_back(buf + bytes + " (pass --optimizer-state fp32 to forbid it)");
+}
+
 Plan Planner::plan(int64_t budget) const {
   if (budget <= 0) budget = request_.budget_bytes;
   Plan p = prediction_base(budget);
   p.notes = profile_.notes;
   const auto usable = static_cast<int64_t>(static_cast<double>(budget) * (1.0 - request_.margin));
-  // The fastest fitting plan of each precision, then the fastest of those (ties, within 1%, go
-  // to the earlier precision).
-  std::vector<Plan> best_of;
-  for (const auto& pp : profile_.precisions) best_of.push_back(best_plan_of(pp, usable));
-  const Plan* chosen = nullptr;
-  for (const auto& b : best_of) {
-    if (b.feasible && (chosen == nullptr || b.predicted_seconds < 0.99 * chosen->predicted_seconds)) chosen = &b;
+  // The best plan with each optimizer state; the first (the spec's, fp32 under auto) is kept
+  // unless another fits when it does not, or is faster (within 1%) with its optimizer step.
+  const auto candidates = optimizer_candidates();
+  std::vector<Plan> best_with;
+  size_t chosen = candidates.size();
+  for (size_t i = 0; i < candidates.size(); ++i) {
+    best_with.push_back(best_plan_with(*candidates[i], usable));
+    if (!best_with[i].feasible) continue;
+    if (chosen == candidates.size() || with_optimizer_seconds(best_with[i], *candidates[i]) <
+                                           0.99 * with_optimizer_seconds(best_with[chosen], *candidates[chosen])) {
+      chosen = i;
+    }
   }
-  if (chosen == nullptr) {
+  if (chosen == candidates.size()) {
     p.notes.push_back("no plan fits " + format_bytes(budget) + ": the smallest budget that works is " +
                       format_bytes(p.floor_bytes) + " (" + std::to_string(p.floor_bytes) + " bytes)");
     return p;
   }
+  const Plan& best = best_with[chosen];
   p.feasible = true;
-  p.config = chosen->config;
-  p.predicted_peak = chosen->predicted_peak;
-  p.predicted_seconds = chosen->predicted_seconds;
-  explain_choice(p, best_of);
+  p.config = best.config;
+  p.predicted_peak = best.predicted_peak;
+  p.predicted_seconds = best.predicted_seconds;
+  p.notes.insert(p.notes.end(), best.notes.begin(), best.notes.end());
+  explain_state_choice(p, best_with, budget);
   return p;
 }
 
@@ -261,7 +341,9 @@ Planner measure_and_plan(Workload& w, const Batch& batch, const std::vector<Prec
                          MemoryTracker& tracker, std::vector<at::Tensor> optimized) {
   if (optimized.empty()) optimized = w.chain->parameters();
   WorkloadProfile profile = profile_workload(w, batch, precisions, tracker);
-  request.optimizer = measure_optimizer(request.step.optimizer, optimized, tracker);
+  std::vector<OptimizerCost> costs = measure_optimizer_states(request.step.optimizer, optimized, tracker);
+  request.optimizer = costs.front();
+  request.optimizer_alternatives.assign(costs.begin() + 1, costs.end());
   return Planner(std::move(profile), std::move(request));
 }
 

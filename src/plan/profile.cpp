@@ -4,8 +4,10 @@
 
 #include <algorithm>
 #include <chrono>
+#include <limits>
 
 #include "memfit/runtime/step.h"
+#include "memfit/techniques/optimizer_8bit.h"
 #include "memfit/techniques/grads.h"
 #include "memfit/techniques/rng.h"
 
@@ -233,6 +235,7 @@ int64_t calibrated(int64_t bytes, double calibration) {
 
 OptimizerCost measure_optimizer(const OptimizerSpec& spec, const std::vector<at::Tensor>& params, MemoryTracker& tracker) {
   OptimizerCost cost;
+  cost.state = spec.state == StatePrecision::k8Bit ? StatePrecision::k8Bit : StatePrecision::kFP32;
   if (params.empty()) return cost;
   std::vector<at::Tensor> saved;
   {
@@ -240,20 +243,41 @@ OptimizerCost measure_optimizer(const OptimizerSpec& spec, const std::vector<at:
     for (const auto& p : params) saved.push_back(p.detach().clone());
     for (auto p : params) p.mutable_grad() = at::zeros_like(p);
   }
+  // 8-bit state: its maps are made first (once per process), so that the step measures the
+  // state alone; they stay alive, so the cost counts their bytes too.
+  if (cost.state == StatePrecision::k8Bit) {
+    dynamic_map(true, params.front().device());
+    dynamic_map(false, params.front().device());
+  }
   {
     const int64_t before = tracker.current();
-    auto optimizer = make_optimizer(spec, params);
+    auto optimizer = make_optimizer(spec.with_state(cost.state), params);
     optimizer->step();  // makes the state
     cost.state_bytes = tracker.current() - before;
+    if (cost.state == StatePrecision::k8Bit) cost.state_bytes += dynamic_maps_bytes();
     const int64_t steady = tracker.current();
     tracker.reset_peak();
-    optimizer->step();
+    cost.seconds = std::numeric_limits<double>::infinity();
+    for (int i = 0; i < 2; ++i) {  // steady state: the best of two
+      const Clock::time_point t0 = Clock::now();
+      optimizer->step();
+      cost.seconds = std::min(cost.seconds, seconds_since(t0));
+    }
     cost.step_bytes = std::max<int64_t>(0, tracker.peak() - steady);
   }
   at::NoGradGuard no_grad;
   for (size_t i = 0; i < params.size(); ++i) params[i].detach().copy_(saved[i]);
   zero_grad(params, true);
   return cost;
+}
+
+std::vector<OptimizerCost> measure_optimizer_states(const OptimizerSpec& spec, const std::vector<at::Tensor>& params,
+                                                    MemoryTracker& tracker) {
+  std::vector<OptimizerCost> out{measure_optimizer(spec, params, tracker)};
+  if (spec.state == StatePrecision::kAuto && has_8bit_state(spec.family)) {
+    out.push_back(measure_optimizer(spec.with_state(StatePrecision::k8Bit), params, tracker));
+  }
+  return out;
 }
 
 }  // namespace memfit

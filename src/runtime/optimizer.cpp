@@ -6,6 +6,7 @@
 #include <sstream>
 
 #include "memfit/errors.h"
+#include "memfit/techniques/optimizer_8bit.h"
 #include "runtime/json_fields.h"
 
 namespace memfit {
@@ -23,6 +24,9 @@ constexpr FamilyName kFamilies[] = {{OptimizerFamily::kAdamW, "adamw"},
                                     {OptimizerFamily::kRMSprop, "rmsprop"},
                                     {OptimizerFamily::kAdagrad, "adagrad"}};
 
+constexpr std::pair<StatePrecision, const char*> kStates[] = {
+    {StatePrecision::kFP32, "fp32"}, {StatePrecision::k8Bit, "8bit"}, {StatePrecision::kAuto, "auto"}};
+
 bool uses_momentum(OptimizerFamily f) { return f == OptimizerFamily::kSGD || f == OptimizerFamily::kRMSprop; }
 bool uses_betas(OptimizerFamily f) { return f == OptimizerFamily::kAdamW || f == OptimizerFamily::kAdam; }
 
@@ -38,7 +42,43 @@ std::unique_ptr<State> make_adam_like(const ParamStateRecord& r) {
   return s;
 }
 
+// The 8-bit state's tensors, in the record's order.
+ParamStateRecord read_8bit(const Adam8bitParamState& s) {
+  return {s.step(),
+          {s.exp_avg(), s.exp_avg_sq(), s.exp_avg_codes(), s.exp_avg_absmax(), s.exp_avg_sq_codes(), s.exp_avg_sq_absmax()}};
+}
+std::unique_ptr<Adam8bitParamState> make_8bit(const ParamStateRecord& r) {
+  auto s = std::make_unique<Adam8bitParamState>();
+  s->step(r.step).exp_avg(r.tensors.at(0)).exp_avg_sq(r.tensors.at(1)).exp_avg_codes(r.tensors.at(2));
+  s->exp_avg_absmax(r.tensors.at(3)).exp_avg_sq_codes(r.tensors.at(4)).exp_avg_sq_absmax(r.tensors.at(5));
+  return s;
+}
+constexpr size_t k8BitSlots = 6;
+
+std::unique_ptr<Optimizer> make_8bit_optimizer(const OptimizerSpec& s, std::vector<at::Tensor> params) {
+  Adam8bitOptions o(s.lr);
+  o.betas({s.beta1, s.beta2}).weight_decay(s.effective_weight_decay());
+  o.decoupled_weight_decay(s.family == OptimizerFamily::kAdamW);
+  return std::make_unique<Adam8bit>(std::move(params), o);
+}
+
 }  // namespace
+
+StatePrecision parse_state_precision(const std::string& text) {
+  for (const auto& [state, name] : kStates) {
+    if (text == name) return state;
+  }
+  throw OptionError("optimizer.state", "'" + text + "'", "expected fp32, 8bit or auto");
+}
+
+const char* state_precision_name(StatePrecision state) {
+  for (const auto& [s, name] : kStates) {
+    if (s == state) return name;
+  }
+  return "?";
+}
+
+bool has_8bit_state(OptimizerFamily family) { return uses_betas(family); }
 
 OptimizerFamily parse_optimizer_family(const std::string& text) {
   for (const auto& f : kFamilies) {
@@ -66,7 +106,15 @@ std::string OptimizerSpec::describe() const {
   if (uses_betas(family)) out << ", betas " << beta1 << "/" << beta2;
   if (uses_momentum(family)) out << ", momentum " << momentum;
   out << ", weight decay " << effective_weight_decay();
+  if (state == StatePrecision::k8Bit) out << ", 8-bit state";
+  if (state == StatePrecision::kAuto) out << ", state auto";
   return out.str();
+}
+
+OptimizerSpec OptimizerSpec::with_state(StatePrecision s) const {
+  OptimizerSpec out = *this;
+  out.state = s;
+  return out;
 }
 
 void check_optimizer_spec(const OptimizerSpec& s) {
@@ -83,11 +131,14 @@ void check_optimizer_spec(const OptimizerSpec& s) {
   }
   check_option(uses_betas(s.family) || (s.beta1 == 0.9 && s.beta2 == 0.999), "optimizer.betas",
                std::to_string(s.beta1) + "," + std::to_string(s.beta2), "betas apply to adam and adamw, not " + family);
+  check_option(s.state != StatePrecision::k8Bit || has_8bit_state(s.family), "optimizer.state", "'8bit'",
+               "8-bit state applies to adam and adamw, not " + family + " (fp32 or auto)");
 }
 
 std::unique_ptr<Optimizer> make_optimizer(const OptimizerSpec& s, std::vector<at::Tensor> params) {
   check_optimizer_spec(s);
   const double wd = s.effective_weight_decay();
+  if (s.state == StatePrecision::k8Bit) return make_8bit_optimizer(s, std::move(params));
   switch (s.family) {
     case OptimizerFamily::kAdamW:
       return std::make_unique<AdamW>(params, AdamWOptions(s.lr).betas({s.beta1, s.beta2}).weight_decay(wd));
@@ -108,7 +159,8 @@ nlohmann::json optimizer_spec_json(const OptimizerSpec& s) {
           {"lr", s.lr},
           {"momentum", s.momentum},
           {"weight_decay", s.effective_weight_decay()},
-          {"betas", {s.beta1, s.beta2}}};
+          {"betas", {s.beta1, s.beta2}},
+          {"state", state_precision_name(s.state)}};
 }
 
 OptimizerSpec optimizer_spec_from_json(const nlohmann::json& j) {
@@ -121,6 +173,11 @@ OptimizerSpec optimizer_spec_from_json(const nlohmann::json& j) {
   const auto& betas = jf::array(j, "betas", 2);
   s.beta1 = jf::value_number(betas[0], "betas");
   s.beta2 = jf::value_number(betas[1], "betas");
+  try {
+    s.state = parse_state_precision(jf::text(j, "state"));
+  } catch (const OptionError& e) {
+    throw std::invalid_argument(std::string("JSON: 'state' ") + e.expected() + ", got " + j.at("state").dump());
+  }
   check_optimizer_spec(s);
   return s;
 }
@@ -133,7 +190,9 @@ ParamStateRecord read_param_state(const OptimizerParamState& state) {
     return {s->step(), {s->square_avg(), s->momentum_buffer(), s->grad_avg()}};
   }
   if (const auto* s = dynamic_cast<const AdagradParamState*>(&state)) return {s->step(), {s->sum()}};
-  TORCH_CHECK(false, "memfit: optimizer state of an unknown family (expected AdamW, Adam, SGD, RMSprop or Adagrad)");
+  if (const auto* s = dynamic_cast<const Adam8bitParamState*>(&state)) return read_8bit(*s);
+  TORCH_CHECK(false,
+              "memfit: optimizer state of an unknown family (expected AdamW, Adam (fp32 or 8-bit), SGD, RMSprop or Adagrad)");
 }
 
 size_t param_state_slots(OptimizerFamily family) {
@@ -145,6 +204,25 @@ size_t param_state_slots(OptimizerFamily family) {
     case OptimizerFamily::kAdagrad: return 1;
   }
   return 0;
+}
+
+size_t param_state_slots(const OptimizerSpec& spec) {
+  return spec.state == StatePrecision::k8Bit ? k8BitSlots : param_state_slots(spec.family);
+}
+
+std::unique_ptr<OptimizerParamState> make_param_state(const OptimizerSpec& spec, const ParamStateRecord& r) {
+  if (spec.state != StatePrecision::k8Bit) return make_param_state(spec.family, r);
+  TORCH_CHECK(r.tensors.size() == k8BitSlots, "memfit::make_param_state: 8-bit state keeps ", k8BitSlots,
+              " tensors, got ", r.tensors.size());
+  return make_8bit(r);
+}
+
+at::Tensor empty_param_state_slot(const OptimizerSpec& spec, size_t slot, const at::Tensor& p) {
+  TORCH_CHECK(slot < param_state_slots(spec), "memfit::empty_param_state_slot: slot ", slot, " of ",
+              param_state_slots(spec));
+  if (spec.state != StatePrecision::k8Bit || slot < 2) return at::empty_like(p, at::MemoryFormat::Contiguous);
+  if (slot == 2 || slot == 4) return at::empty({p.numel()}, p.options().dtype(at::kByte));
+  return at::empty({num_quant_blocks(p.numel())}, p.options().dtype(at::kFloat));
 }
 
 std::unique_ptr<OptimizerParamState> make_param_state(OptimizerFamily family, const ParamStateRecord& r) {

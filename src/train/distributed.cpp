@@ -420,7 +420,7 @@ std::unique_ptr<torch::optim::Optimizer> ShardedDataParallel::gather_optimizer_s
   if (stage_ == 0) throw std::logic_error("gather_optimizer_state: at stage 0 every rank has the whole state");
   const char* what = "gathering the optimizer state on rank 0";
   std::unique_ptr<torch::optim::Optimizer> full = rank() == 0 ? make_optimizer(spec, parameters_) : nullptr;
-  const size_t slots = param_state_slots(spec.family);
+  const size_t slots = param_state_slots(spec);
   for (size_t i = 0; i < parameters_.size(); ++i) {
     const auto key = param_state_key(parameters_[i]);
     const int from = owner(i);
@@ -430,7 +430,7 @@ std::unique_ptr<torch::optim::Optimizer> ShardedDataParallel::gather_optimizer_s
     } else if (rank() == from) {
       send_param_state(sharded, key, slots, what);
     } else if (rank() == 0) {
-      receive_param_state(*full, i, from, spec.family, what);
+      receive_param_state(*full, i, from, spec, what);
     }
   }
   return full;
@@ -452,9 +452,9 @@ void ShardedDataParallel::send_param_state(torch::optim::Optimizer& sharded, con
 }
 
 void ShardedDataParallel::receive_param_state(torch::optim::Optimizer& full, size_t index, int from,
-                                              OptimizerFamily family, const char* what) {
+                                              const OptimizerSpec& spec, const char* what) {
   const at::Tensor& p = parameters_[index];
-  at::Tensor header = at::empty({2 + static_cast<int64_t>(param_state_slots(family))}, at::kLong);
+  at::Tensor header = at::empty({2 + static_cast<int64_t>(param_state_slots(spec))}, at::kLong);
   context_.receive(header, from, what);
   const auto h = header.accessor<int64_t, 1>();
   if (h[0] == 0) return;
@@ -463,12 +463,12 @@ void ShardedDataParallel::receive_param_state(torch::optim::Optimizer& full, siz
   for (int64_t s = 2; s < header.size(0); ++s) {
     at::Tensor t;
     if (h[s] != 0) {
-      t = at::empty_like(p, at::MemoryFormat::Contiguous);
+      t = empty_param_state_slot(spec, static_cast<size_t>(s - 2), p);  // 8-bit state: codes and absmax
       context_.receive(t, from, what);
     }
     record.tensors.push_back(t);
   }
-  full.state()[param_state_key(p)] = make_param_state(family, record);
+  full.state()[param_state_key(p)] = make_param_state(spec, record);
 }
 
 void ShardedDataParallel::keep_owned_state(torch::optim::Optimizer& full, torch::optim::Optimizer& sharded) const {

@@ -112,12 +112,33 @@ void Trainer::set_up() {
     t.sdp = std::make_unique<ShardedDataParallel>(*t.context, t.params, t.o.distributed.zero_stage);
     t.context->check_same_on_all_ranks(
         {{"batch", t.o.batch}, {"steps", t.o.steps}, {"seed", static_cast<int64_t>(t.w.seed)},
-         {"optimizer", static_cast<int64_t>(t.o.optimizer.family)}, {"save (given or not)", t.o.save_dir.empty() ? 0 : 1},
+         {"optimizer", static_cast<int64_t>(t.o.optimizer.family)},
+         {"optimizer state", static_cast<int64_t>(t.o.optimizer.state)}, {"save (given or not)", t.o.save_dir.empty() ? 0 : 1},
          {"save_every", t.o.save_every}, {"resume (given or not)", t.o.resume_dir.empty() ? 0 : 1}});
   }
-  t.optimizer = make_optimizer(t.o.optimizer, t.sdp ? t.sdp->optimized_parameters() : t.params);
+  // State auto: fp32 until the plan (or the saved state resumed) says otherwise.
+  build_optimizer(t.o.optimizer.state == StatePrecision::kAuto ? StatePrecision::kFP32 : t.o.optimizer.state);
   print_header(t);
   if (!t.o.resume_dir.empty()) resume();
+}
+
+void Trainer::build_optimizer(StatePrecision state) {
+  TrainerState& t = *impl_;
+  t.optimizer.reset();  // the old state is released first
+  t.optimizer_spec = t.o.optimizer.with_state(state);
+  t.optimizer = make_optimizer(t.optimizer_spec, t.sdp ? t.sdp->optimized_parameters() : t.params);
+}
+
+// The saved run's optimizer state precision: adopted under auto, else it must be the one asked for.
+void Trainer::resume_state_precision(const nlohmann::json& meta, const std::string& where) {
+  TrainerState& t = *impl_;
+  const StatePrecision saved = parse_state_precision(meta.value("optimizer_state", "fp32"));
+  if (t.o.optimizer.state != StatePrecision::kAuto && t.o.optimizer.state != saved) {
+    throw std::runtime_error("cannot resume: " + where + " was trained with " + state_precision_name(saved) +
+                             " optimizer state, not " + state_precision_name(t.o.optimizer.state) +
+                             " (pass --optimizer-state " + state_precision_name(saved) + " or auto)");
+  }
+  if (saved != t.optimizer_spec.state) build_optimizer(saved);
 }
 
 void Trainer::resume() {
@@ -139,9 +160,10 @@ void Trainer::resume() {
     throw std::runtime_error("cannot resume: " + where + " was trained with " + family + ", not " +
                              optimizer_family_name(t.o.optimizer.family));
   }
+  resume_state_precision(meta, where);
   if (t.sharded_optimizer()) {
     // The file holds the whole state (the single-process format): keep this rank's share.
-    auto full = make_optimizer(t.o.optimizer, t.params);
+    auto full = make_optimizer(t.optimizer_spec, t.params);
     saved.load_into(*t.w.chain, *full, t.o.device);
     t.sdp->keep_owned_state(*full, *t.optimizer);
   } else {
@@ -174,8 +196,10 @@ void Trainer::make_planner() {
   // count it twice, so the cost is measured on copies of them.
   std::vector<at::Tensor> copies;
   for (const auto& p : optimized) copies.push_back(p.detach().clone().requires_grad_(true));
-  request.optimizer = measure_optimizer(t.o.optimizer, copies, *t.tracker);
+  std::vector<OptimizerCost> costs = measure_optimizer_states(t.o.optimizer, copies, *t.tracker);
   copies.clear();
+  request.optimizer = costs.front();
+  request.optimizer_alternatives.assign(costs.begin() + 1, costs.end());
   // Per rank: the gradients kept through the optimizer step (only this rank's share at ZeRO
   // stage 2), and, on rank 0 of a sharded run that saves, the whole state gathered to save.
   request.gradient_bytes = predicted_rank_states(t.params, t.o.distributed.world_size, t.o.distributed.zero_stage, 0)
@@ -183,8 +207,11 @@ void Trainer::make_planner() {
   if (t.sharded_optimizer() && t.primary && !t.o.save_dir.empty()) {
     int64_t owned = 0;
     for (const auto& p : optimized) owned += static_cast<int64_t>(p.nbytes());
-    const double per_byte = owned > 0 ? static_cast<double>(request.optimizer.state_bytes) / static_cast<double>(owned) : 0.0;
-    request.extra_bytes = std::llround(per_byte * static_cast<double>(profile.weight_bytes)) - request.optimizer.state_bytes;
+    // (With state auto, the larger of the candidate states: a safe bound for either.)
+    int64_t state_bytes = 0;
+    for (const auto& c : costs) state_bytes = std::max(state_bytes, c.state_bytes);
+    const double per_byte = owned > 0 ? static_cast<double>(state_bytes) / static_cast<double>(owned) : 0.0;
+    request.extra_bytes = std::llround(per_byte * static_cast<double>(profile.weight_bytes)) - state_bytes;
   }
   t.planner.emplace(std::move(profile), std::move(request));
   restore_rng(rng);
@@ -243,7 +270,7 @@ void Trainer::adopt_rank0_plan() {
   const Plan theirs = plan_from_json(nlohmann::json::parse(rank0), t.w.chain->size());
   const int64_t m = std::min(theirs.config.micro_batch_size(), t.local.length);
   std::vector<std::string> notes = t.plan.notes;
-  t.plan = t.planner->evaluate(m, theirs.config.precision, theirs.config.checkpoint, t.budget);
+  t.plan = t.planner->evaluate(m, theirs.config.precision, theirs.config.checkpoint, t.budget, theirs.config.optimizer.state);
   t.plan.notes = notes;
   t.plan.notes.push_back("using rank 0's plan (this rank's own choice differed)");
 }
@@ -255,6 +282,8 @@ const Plan& Trainer::plan() {
   choose_budget();
   choose_plan();
   if (t.context && t.resumed_meta.is_null()) adopt_rank0_plan();
+  // State auto: the plan chose the optimizer's state precision (nothing is stepped yet).
+  if (t.plan.config.optimizer.state != t.optimizer_spec.state) build_optimizer(t.plan.config.optimizer.state);
   const bool fp16 = t.plan.config.precision == Precision::kFP16;
   check_option(!(fp16 && t.sharded_optimizer()), "precision", "fp16",
                "fp16 with ZeRO 1 or 2 is not supported: the loss scaler's overflow check would see one shard only");
@@ -307,7 +336,7 @@ void Trainer::update(bool last) {
     optimizer_step(*t.optimizer, so);
   } catch (const c10::OutOfMemoryError&) {
     throw std::runtime_error("out of memory in the optimizer step: budget " + format_bytes(t.budget) +
-                             " cannot hold weights, gradients and the state of " + t.o.optimizer.describe() +
+                             " cannot hold weights, gradients and the state of " + t.optimizer_spec.describe() +
                              " plus its temporaries");
   }
   if (t.sdp) t.sdp->finish_step(t.plan.config.set_to_none);  // owners broadcast the updated parameters
@@ -416,11 +445,12 @@ void Trainer::save(int64_t step) {
                             {"model", t.w.description},
                             {"parameters", parameter_count(*t.w.chain)},
                             {"optimizer", optimizer_family_name(t.o.optimizer.family)},
+                            {"optimizer_state", state_precision_name(t.optimizer_spec.state)},
                             {"plan", plan_json(t.plan)}};
   t.last_saved_step = step;
   if (t.sharded_optimizer()) {
     // Rank 0 saves the whole state, gathered from its owners: the single-process format.
-    auto full = t.sdp->gather_optimizer_state(*t.optimizer, t.o.optimizer);
+    auto full = t.sdp->gather_optimizer_state(*t.optimizer, t.optimizer_spec);
     if (t.primary) save_state(t.o.save_dir, *t.w.chain, *full, meta, t.o.device);
   } else if (t.primary) {
     save_state(t.o.save_dir, *t.w.chain, *t.optimizer, meta, t.o.device);

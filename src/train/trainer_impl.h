@@ -76,6 +76,7 @@ struct TrainerState {
   std::unique_ptr<DistributedContext> context;
   std::unique_ptr<ShardedDataParallel> sdp;
   std::unique_ptr<torch::optim::Optimizer> optimizer;
+  OptimizerSpec optimizer_spec;     // what `optimizer` was built with: o.optimizer, state resolved
 
   int64_t resident_bytes = 0;       // counted by the budget, outside the tracker (caller's data)
   int64_t start_step = 0;

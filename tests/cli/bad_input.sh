@@ -45,5 +45,8 @@ check "report --batch 0x10" "'0x10': expected a decimal integer"
 check "train --steps 0b11" "'0b11': expected a decimal integer"
 check "train --optimizer adam --momentum 0.9" "--momentum 0.9"
 check "report --device tpu" "--device 'tpu'"
+check "train --optimizer-state int8 --steps 1" "--optimizer-state 'int8'"
+check "train --optimizer sgd --optimizer-state 8bit --steps 1" "--optimizer-state '8bit'"
+check "report --optimizer-state auto" "--optimizer-state 'auto'"
 echo "cli bad input: $pass passed, $fail failed"
 [ $fail -eq 0 ]

@@ -155,6 +155,10 @@ cases() {
   for v in cuda cuda:0 cuda:1 cpu:0; do echo "rpt|--device|any|$v|"; done
   for v in lamb _EMPTY_ ADAMW 'adamw ' sgd2 lbfgs; do echo "rpt|--optimizer|refuse|$v|"; done
   for v in adam sgd rmsprop adagrad; do echo "rpt|--optimizer|ok|$v|"; done
+  for v in int8 _EMPTY_ 8BIT ' 8bit' fp16 4bit; do echo "rpt|--optimizer-state|refuse|$v|"; done
+  echo "rpt|--optimizer-state|refuse|8bit|--optimizer=sgd"
+  echo "r|--optimizer-state|refuse|auto|"
+  for v in fp32 8bit; do echo "rpt|--optimizer-state|ok|$v|"; done
   for v in 1,1 0.9 0.9,0.999,0.5 nan,0.9 0.9,nan -0.1,0.9 0.9,1 '0.9;0.999' _EMPTY_ ',' 'inf,0.9' 'abc' \
            '0.9,0.999x' 1e400,0.9; do
     echo "rpt|--betas|refuse|$v|"

@@ -55,3 +55,28 @@ assert j["at_peak"]["optimizer_state"] <= factor * j["parameter_bytes"]
 PY
 done
 echo "cli report optimizers: 1 passed, 0 failed"
+
+# 8-bit optimizer state (issue 15): the same report with --optimizer-state 8bit counts at most
+# 0.27x the fp32 state, exactly as the tracker counts it (the default GPT's width: at d=64 the
+# fp32 state of tensors under 4096 values weighs more); auto is refused (report runs one state),
+# as is 8bit for SGD.
+args=(--layers 2 --d-model 256 --heads 8 --seq 32 --batch 4 --steps 2 --json)
+"$memfit" report "${args[@]}" > "$dir/fp32.json"
+"$memfit" report "${args[@]}" --optimizer-state 8bit > "$dir/8bit.json"
+/usr/bin/python3 - "$dir/fp32.json" "$dir/8bit.json" <<'PY'
+import json, sys
+a, b = (json.load(open(f)) for f in sys.argv[1:3])
+assert b["config"]["optimizer"]["state"] == "8bit" and a["config"]["optimizer"]["state"] == "fp32", b["config"]
+sa, sb = a["states"]["optimizer_state"], b["states"]["optimizer_state"]
+assert 0 < sb <= 0.27 * sa, (sa, sb, sb / sa)
+assert b["at_peak"]["optimizer_state"] <= sb
+assert b["states"]["weights"] == a["states"]["weights"]
+PY
+for bad in "--optimizer-state auto" "--optimizer-state int8" "--optimizer sgd --optimizer-state 8bit"; do
+  if "$memfit" report --layers 2 --d-model 64 --heads 4 --seq 32 --batch 4 --steps 1 $bad > "$dir/out" 2> "$dir/err"; then
+    echo "accepted: $bad"; exit 1
+  fi
+  [ "$(wc -l < "$dir/err")" -eq 1 ] || { echo "not one line for $bad:"; cat "$dir/err"; exit 1; }
+  grep -q -- "--optimizer-state" "$dir/err" || { echo "flag not named for $bad:"; cat "$dir/err"; exit 1; }
+done
+echo "cli report 8-bit state: 1 passed, 0 failed"

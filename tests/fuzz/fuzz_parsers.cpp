@@ -343,6 +343,10 @@ OptimizerSpec random_spec(TextGenerator& gen) {
     s.beta1 = 0.01 * static_cast<double>(gen.pick(100));
     s.beta2 = 0.001 * static_cast<double>(gen.pick(1000));
   }
+  // State precision: 8bit only where it applies (Adam, AdamW), auto anywhere.
+  const bool adam_like = s.family == OptimizerFamily::kAdam || s.family == OptimizerFamily::kAdamW;
+  s.state = static_cast<StatePrecision>(gen.pick(3));
+  if (s.state == StatePrecision::k8Bit && !adam_like) s.state = StatePrecision::kFP32;
   return s;
 }
 

@@ -7,6 +7,9 @@
 //    schedule under the budget minus a margin (schedule.h's DP).
 // 3. Search: precision, micro-batch x accumulation and schedule minimizing the predicted step
 //    time; ties go to the first precision (the baseline, fp32) and the larger micro-batch.
+//    With the optimizer's state precision auto, the state is one more dimension: the spec's
+//    fp32 state is kept unless the 8-bit state lets a faster plan fit (optimizer step
+//    included) or nothing fits otherwise.
 // 4. Verify (verify.h): real steps under the tracker; if the measured peak exceeds the budget,
 //    tighten and plan again (and say so).
 //
@@ -32,7 +35,9 @@ struct PlanRequest {
   StepConfig step;
   std::optional<CheckpointPlan> checkpoint;  // pinned schedule; unset: solved
   double margin = 0.03;                      // of the budget, kept free for what the model cannot see
-  OptimizerCost optimizer;                   // this process's (ZeRO: its shard's)
+  OptimizerCost optimizer;                   // this process's (ZeRO: its shard's); state auto: fp32's
+  // Other state precisions the plan may choose instead (state auto: the 8-bit state's cost).
+  std::vector<OptimizerCost> optimizer_alternatives;
   int64_t gradient_bytes = -1;               // held through the optimizer step; -1: all weights'
   int64_t extra_bytes = 0;                   // alive beside the optimizer step (state gathered to save)
   int64_t resident_bytes = 0;                // alive all along, counted by the budget but not profiled
@@ -68,9 +73,10 @@ class Planner {
   Planner(WorkloadProfile profile, PlanRequest request);
   // The plan for a budget (request.budget_bytes unless given).
   Plan plan(int64_t budget_bytes = 0) const;
-  // The prediction for one configuration, fitting or not (feasible says whether it fits).
-  Plan evaluate(int64_t micro_batch, Precision precision, const CheckpointPlan& checkpoint,
-                int64_t budget_bytes = 0) const;
+  // The prediction for one configuration, fitting or not (feasible says whether it fits);
+  // state: the optimizer's state precision (unset: request.optimizer's).
+  Plan evaluate(int64_t micro_batch, Precision precision, const CheckpointPlan& checkpoint, int64_t budget_bytes = 0,
+                std::optional<StatePrecision> state = std::nullopt) const;
   // The smallest budget any plan reaches (margin included): Plan::floor_bytes without planning.
   int64_t floor_bytes() const;
   // The modelled costs at micro-batch m (fitted), with the step's fixed bytes; precision: the
@@ -85,12 +91,16 @@ class Planner {
 
  private:
   const PrecisionProfile& precision_profile(Precision precision) const;
-  ChainCosts costs_at(int64_t m, const PrecisionProfile& p) const;
+  const OptimizerCost& optimizer_cost(StatePrecision state) const;
+  std::vector<const OptimizerCost*> optimizer_candidates() const;
+  ChainCosts costs_at(int64_t m, const PrecisionProfile& p, const OptimizerCost& optimizer) const;
   double chain_seconds(int64_t m, const PrecisionProfile& p) const;
-  int64_t optimizer_peak() const;
+  int64_t optimizer_peak(const OptimizerCost& optimizer) const;
   Plan prediction_base(int64_t budget) const;
-  Plan best_plan_of(const PrecisionProfile& p, int64_t usable) const;
+  Plan best_plan_of(const PrecisionProfile& p, const OptimizerCost& optimizer, int64_t usable) const;
+  Plan best_plan_with(const OptimizerCost& optimizer, int64_t usable) const;
   void explain_choice(Plan& chosen, const std::vector<Plan>& best_of) const;
+  void explain_state_choice(Plan& chosen, const std::vector<Plan>& best_with, int64_t budget) const;
   // Seconds of one optimizer step's forward + backward when `segments` run at micro-batch m.
   double step_seconds(int64_t m, const PrecisionProfile& p, const std::vector<std::pair<int, int>>& segments) const;
 

@@ -69,15 +69,24 @@ double fit_line(int64_t m1, double v1, int64_t m2, double v2, int64_t m);
 int64_t fit_bytes(int64_t m1, int64_t v1, int64_t m2, int64_t v2, int64_t m);
 int64_t calibrated(int64_t bytes, double calibration);
 
-// What the optimizer keeps and makes, on this process.
+// What the optimizer keeps and makes, on this process, with one state precision.
 struct OptimizerCost {
-  int64_t state_bytes = 0;  // alive between steps (AdamW: 2x the parameters' bytes)
+  int64_t state_bytes = 0;  // alive between steps (AdamW: 2x the parameters' bytes; 8-bit: ~0.5x,
+                            // plus its maps, made once per process: techniques/optimizer_8bit.h)
   int64_t step_bytes = 0;   // temporaries at the peak of a steady-state step, above the state
+  double seconds = 0;       // one steady-state step (0: not measured)
+  StatePrecision state = StatePrecision::kFP32;  // fp32 or 8bit, never auto
 };
 
-// Two real steps of `spec` over `parameters` (zero gradients), the first making the state and
-// the second in steady state; the parameters are put back exactly afterwards.
+// Three real steps of `spec` over `parameters` (zero gradients), the first making the state,
+// the others in steady state (bytes; seconds: the best of the two); the parameters are put back exactly afterwards. A spec
+// with state auto is measured as fp32.
 OptimizerCost measure_optimizer(const OptimizerSpec& spec, const std::vector<at::Tensor>& parameters,
                                 MemoryTracker& tracker);
+
+// The costs the planner chooses among: the spec's state precision alone, or with auto fp32 and
+// then (Adam, AdamW) 8-bit.
+std::vector<OptimizerCost> measure_optimizer_states(const OptimizerSpec& spec, const std::vector<at::Tensor>& parameters,
+                                                    MemoryTracker& tracker);
 
 }  // namespace memfit

@@ -147,7 +147,7 @@ class ShardedDataParallel {
 
  private:
   void send_param_state(torch::optim::Optimizer& sharded, const compat::OptimizerStateKey& key, size_t slots, const char* what);
-  void receive_param_state(torch::optim::Optimizer& full, size_t index, int from, OptimizerFamily family,
+  void receive_param_state(torch::optim::Optimizer& full, size_t index, int from, const OptimizerSpec& spec,
                            const char* what);
 
   DistributedContext& context_;

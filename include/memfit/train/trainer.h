@@ -50,7 +50,7 @@ struct TrainOptions {
   int64_t micro_batch = 0;          // 0: chosen by the plan
   std::optional<CheckpointPlan> checkpoint;  // unset: chosen by the plan
   bool keep_grads = false;          // zero gradients instead of releasing them
-  OptimizerSpec optimizer;
+  OptimizerSpec optimizer;          // state auto: the plan chooses fp32 or 8-bit
   std::string save_dir;
   int64_t save_every = 10;
   std::string resume_dir;
@@ -119,6 +119,8 @@ class Trainer {
   torch::optim::Optimizer& optimizer();
 
  private:
+  void build_optimizer(StatePrecision state);
+  void resume_state_precision(const nlohmann::json& meta, const std::string& where);
   void resume();
   void make_planner();
   void choose_budget();
