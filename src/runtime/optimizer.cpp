@@ -173,10 +173,13 @@ OptimizerSpec optimizer_spec_from_json(const nlohmann::json& j) {
   const auto& betas = jf::array(j, "betas", 2);
   s.beta1 = jf::value_number(betas[0], "betas");
   s.beta2 = jf::value_number(betas[1], "betas");
-  try {
-    s.state = parse_state_precision(jf::text(j, "state"));
-  } catch (const OptionError& e) {
-    throw std::invalid_argument(std::string("JSON: 'state' ") + e.expected() + ", got " + j.at("state").dump());
+  // Absent from plans and saved states written before the state precision existed: fp32 then.
+  if (j.contains("state")) {
+    try {
+      s.state = parse_state_precision(jf::text(j, "state"));
+    } catch (const OptionError& e) {
+      throw std::invalid_argument(std::string("JSON: 'state' ") + e.expected() + ", got " + j.at("state").dump());
+    }
   }
   check_optimizer_spec(s);
   return s;
