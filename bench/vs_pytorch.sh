@@ -22,6 +22,8 @@
 #   --segments  the grid's checkpoint_sequential segment counts besides none (default: 2, 4, 8
 #               and the number of blocks after the first, those not above it)
 #   --accum     the grid's gradient accumulation steps (default: 1 2 4 8 16, those dividing --batch)
+#   --base-only only the base comparison: PyTorch eager and memfit's plain step alternating
+#               (--base-rounds N times, default 3), then their time ratio and peaks; no grid, no plans
 #   --precisions  the grid's precisions (default: fp32 bf16; a variant the model cannot run is a
 #               row with its error)
 #   MODEL FLAGS passed to both sides: --layers --d-model --heads --seq --dropout (gpt),
@@ -38,7 +40,7 @@ root=$(dirname "$here")
 command="bash bench/vs_pytorch.sh"
 (($#)) && command+=$(printf ' %q' "$@")
 model=gpt threads=2 steps=5 out=$here build=$root/build segments="" data="" loss=cross-entropy eager=""
-accums="" precisions="fp32 bf16"
+accums="" precisions="fp32 bf16" base_only=0 rounds=3
 while (($#)); do
   case $1 in
     --model) model=$2; shift 2 ;;
@@ -49,6 +51,8 @@ while (($#)); do
     --segments) segments=$2; shift 2 ;;
     --accum) accums=$2; shift 2 ;;
     --precisions) precisions=$2; shift 2 ;;
+    --base-only) base_only=1; shift ;;
+    --base-rounds) rounds=$2; shift 2 ;;
     --data) data=$2; shift 2 ;;
     --loss) loss=$2; shift 2 ;;
     --eager) eager=$2; shift 2 ;;
@@ -111,6 +115,40 @@ twin() {
   echo "== PyTorch $*" >&2
   "$py" "$here/pytorch_twin.py" "${twin_model[@]}" "${model_flags[@]}" --threads "$threads" --steps "$steps" --json "$@" >> "$jsonl"
 }
+# The base comparison: the two sides' plain steps run one after the other take minutes, and this
+# machine's speed drifts over minutes by more than the differences measured. So PyTorch eager
+# and memfit's plain step (the same computation) run alternately, `rounds` times each; the
+# table scales memfit's times by that ratio (vs_pytorch_table.py says how).
+tag() { "$py" -c 'import json, sys
+for line in sys.stdin:
+    if line.startswith("{"):
+        r = json.loads(line); r["base"] = True; print(json.dumps(r))'; }
+base_comparison() {
+  local i
+  for ((i = 1; i <= rounds; i++)); do
+    echo "== base comparison $i/$rounds: PyTorch eager, memfit plain" >&2
+    "$py" "$here/pytorch_twin.py" "${twin_model[@]}" "${model_flags[@]}" --threads "$threads" --steps 3 --json --variant eager | tag >> "$jsonl"
+    "$bench_bin" "${memfit_model[@]}" "${model_flags[@]}" --threads "$threads" --steps 3 --plain-only 1 | tag >> "$jsonl"
+  done
+}
+if ((base_only)); then
+  base_comparison
+  echo "command: $command"
+  "$py" - "$jsonl" <<'PY'
+import json, statistics, sys
+rows = [json.loads(l) for l in open(sys.argv[1]) if l.startswith("{")]
+side = lambda m: [r for r in rows if (r.get("side") == "memfit") == m]
+torch_s = [r["median_step_s"] for r in side(False)]
+memfit_s = [r["median_step_s"] for r in side(True)]
+pairs = ", ".join("%.3f" % (m / t) for t, m in zip(torch_s, memfit_s))
+tp, mp = side(False)[0]["peak_bytes"], side(True)[0]["peak_bytes"]
+print("time: memfit plain / PyTorch eager = %.3fx (medians of %d rounds; per round %s)"
+      % (statistics.median(memfit_s) / statistics.median(torch_s), len(torch_s), pairs))
+print("peak: memfit plain %d B, PyTorch eager %d B (%+.2f%%)" % (mp, tp, 100.0 * (mp - tp) / tp))
+PY
+  exit 0
+fi
+
 twin --variant eager
 # The grid: every accumulation x segments x precision (eager, the all-defaults point, ran first).
 for precision in $precisions; do
@@ -131,19 +169,7 @@ budgets=$(for p in 100 90 70 50 35; do echo $((eager_peak * p / 100)); done | pa
 echo "== memfit, budgets $budgets (100/90/70/50/35% of PyTorch eager's $eager_peak B)" >&2
 "$bench_bin" "${memfit_model[@]}" "${model_flags[@]}" --threads "$threads" --steps "$steps" --budgets "$budgets" >> "$jsonl"
 
-# The base comparison: the two sides' plain steps run one after the other take minutes, and this
-# machine's speed drifts over minutes by more than the differences measured. So PyTorch eager
-# and memfit's plain step (the same computation) run alternately, 3 times each, just now; the
-# table scales memfit's times by that ratio (vs_pytorch_table.py says how).
-tag() { "$py" -c 'import json, sys
-for line in sys.stdin:
-    if line.startswith("{"):
-        r = json.loads(line); r["base"] = True; print(json.dumps(r))'; }
-for i in 1 2 3; do
-  echo "== base comparison $i/3: PyTorch eager, memfit plain" >&2
-  "$py" "$here/pytorch_twin.py" "${twin_model[@]}" "${model_flags[@]}" --threads "$threads" --steps 3 --json --variant eager | tag >> "$jsonl"
-  "$bench_bin" "${memfit_model[@]}" "${model_flags[@]}" --threads "$threads" --steps 3 --plain-only 1 | tag >> "$jsonl"
-done
+base_comparison
 
 "$py" "$here/vs_pytorch_table.py" "$jsonl" --model "$model" --command "$command" \
   --md "$out/vs_pytorch_$name.md" --svg "$out/vs_pytorch_$name.svg"
