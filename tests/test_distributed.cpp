@@ -7,6 +7,7 @@
 #include <unistd.h>
 
 #include <exception>
+#include <functional>
 #include <map>
 #include <thread>
 
@@ -90,6 +91,24 @@ TEST(DistributedTest, BadOptionsAreOneClearLine) {
 }
 
 // Deterministic parameters and per-rank gradients.
+// Runs `rank_body(rank)` for ranks 0 and 1 on two threads and rethrows the first failure.
+void run_two_ranks(const std::function<void(int)>& rank_body) {
+  std::vector<std::exception_ptr> errors(2);
+  auto run_rank = [&](int rank) {
+    try {
+      rank_body(rank);
+    } catch (...) {
+      errors[static_cast<size_t>(rank)] = std::current_exception();
+    }
+  };
+  std::thread second(run_rank, 1);
+  run_rank(0);
+  second.join();
+  for (auto& e : errors) {
+    if (e) std::rethrow_exception(e);
+  }
+}
+
 std::vector<at::Tensor> make_params() {
   std::vector<at::Tensor> params;
   int i = 0;
@@ -129,67 +148,56 @@ TEST(DistributedTest, TwoRanksStage2EqualOneAdamWOverTheSummedGradients) {
   OptimizerSpec spec;                                   // the same: AdamW, lr 0.05, weight decay 0.01
   spec.lr = 0.05;
   std::vector<RankOutcome> outcome(2);
-  std::vector<std::exception_ptr> errors(2);
-  auto run_rank = [&](int rank) {
-    try {
-      DistributedOptions o;
-      o.world_size = 2;
-      o.rank = rank;
-      o.master = master;
-      o.zero_stage = 2;
-      o.timeout_seconds = 30;
-      DistributedContext context(o);
-      auto params = make_params();
-      ShardedDataParallel sdp(context, params, 2);
-      auto sharded = make_optimizer(spec, sdp.optimized_parameters());
-      torch::optim::Optimizer& adamw = *sharded;
-      auto& out = outcome[static_cast<size_t>(rank)];
-      for (int step = 0; step < kSteps; ++step) {
-        for (size_t i = 0; i < params.size(); ++i) params[i].mutable_grad() = gradient(rank, i, step, params[i]);
-        sdp.reduce_gradients();
-        if (step == 0) {
-          for (size_t i = 0; i < params.size(); ++i) {
-            out.grad_after_reduce.push_back(params[i].grad().defined());
-            out.reduced.push_back(params[i].grad().defined() ? params[i].grad().clone() : at::Tensor());
-          }
-        }
-        adamw.step();
-        zero_grad(adamw, true);
-        sdp.finish_step(true);
-      }
-      out.state_bytes = adamw_state_bytes(adamw);
-      out.owned_bytes = sdp.owned_bytes();
-      out.total_bytes = sdp.parameter_bytes();
-      const auto full = sdp.gather_optimizer_state(adamw, spec);
-      EXPECT_EQ(full != nullptr, rank == 0) << "only rank 0 holds the gathered state";
-      if (rank == 0) {
+  run_two_ranks([&](int rank) {
+    DistributedOptions o;
+    o.world_size = 2;
+    o.rank = rank;
+    o.master = master;
+    o.zero_stage = 2;
+    o.timeout_seconds = 30;
+    DistributedContext context(o);
+    auto params = make_params();
+    ShardedDataParallel sdp(context, params, 2);
+    auto sharded = make_optimizer(spec, sdp.optimized_parameters());
+    torch::optim::Optimizer& adamw = *sharded;
+    auto& out = outcome[static_cast<size_t>(rank)];
+    for (int step = 0; step < kSteps; ++step) {
+      for (size_t i = 0; i < params.size(); ++i) params[i].mutable_grad() = gradient(rank, i, step, params[i]);
+      sdp.reduce_gradients();
+      if (step == 0) {
         for (size_t i = 0; i < params.size(); ++i) {
-          auto it = full->state().find(param_state_key(params[i]));
-          if (it == full->state().end()) continue;
-          const auto& s = static_cast<const torch::optim::AdamWParamState&>(*it->second);
-          EXPECT_EQ(s.step(), kSteps);
-          out.gathered_exp_avg_sq[i] = s.exp_avg_sq().clone();
+          out.grad_after_reduce.push_back(params[i].grad().defined());
+          out.reduced.push_back(params[i].grad().defined() ? params[i].grad().clone() : at::Tensor());
         }
       }
-      for (auto& p : params) out.params.push_back(p.detach().clone());
-      // Resuming: from a whole state, each rank keeps its own parameters' share.
-      auto whole = make_optimizer(spec, params);
-      auto mine = make_optimizer(spec, sdp.optimized_parameters());
-      for (auto& p : params) p.mutable_grad() = at::ones_like(p);
-      whole->step();
-      sdp.keep_owned_state(*whole, *mine);
-      out.kept_states = mine->state().size();
-      out.owned_count = sdp.optimized_parameters().size();
-    } catch (...) {
-      errors[static_cast<size_t>(rank)] = std::current_exception();
+      adamw.step();
+      zero_grad(adamw, true);
+      sdp.finish_step(true);
     }
-  };
-  std::thread second(run_rank, 1);
-  run_rank(0);
-  second.join();
-  for (auto& e : errors) {
-    if (e) std::rethrow_exception(e);
-  }
+    out.state_bytes = adamw_state_bytes(adamw);
+    out.owned_bytes = sdp.owned_bytes();
+    out.total_bytes = sdp.parameter_bytes();
+    const auto full = sdp.gather_optimizer_state(adamw, spec);
+    EXPECT_EQ(full != nullptr, rank == 0) << "only rank 0 holds the gathered state";
+    if (rank == 0) {
+      for (size_t i = 0; i < params.size(); ++i) {
+        auto it = full->state().find(param_state_key(params[i]));
+        if (it == full->state().end()) continue;
+        const auto& s = static_cast<const torch::optim::AdamWParamState&>(*it->second);
+        EXPECT_EQ(s.step(), kSteps);
+        out.gathered_exp_avg_sq[i] = s.exp_avg_sq().clone();
+      }
+    }
+    for (auto& p : params) out.params.push_back(p.detach().clone());
+    // Resuming: from a whole state, each rank keeps its own parameters' share.
+    auto whole = make_optimizer(spec, params);
+    auto mine = make_optimizer(spec, sdp.optimized_parameters());
+    for (auto& p : params) p.mutable_grad() = at::ones_like(p);
+    whole->step();
+    sdp.keep_owned_state(*whole, *mine);
+    out.kept_states = mine->state().size();
+    out.owned_count = sdp.optimized_parameters().size();
+  });
 
   // The reference: one AdamW over every parameter with the gradients of both ranks summed.
   auto params = make_params();
@@ -244,49 +252,38 @@ TEST(DistributedTest, TwoRanksStage1With8BitStateEqualOneProcess) {
   std::vector<std::vector<at::Tensor>> final_params(2);
   std::vector<std::map<size_t, std::vector<at::Tensor>>> gathered(2);
   std::vector<size_t> kept(2), owned(2);
-  std::vector<std::exception_ptr> errors(2);
-  auto run_rank = [&](int rank) {
-    try {
-      DistributedOptions o;
-      o.world_size = 2;
-      o.rank = rank;
-      o.master = master;
-      o.zero_stage = 1;
-      DistributedContext context(o);
-      auto params = make_large_params();
-      ShardedDataParallel sdp(context, params, 1);
-      auto sharded = make_optimizer(spec, sdp.optimized_parameters());
-      for (int step = 0; step < kSteps; ++step) {
-        for (size_t i = 0; i < params.size(); ++i) params[i].mutable_grad() = gradient(rank, i, step, params[i]);
-        sdp.reduce_gradients();
-        sharded->step();
-        zero_grad(*sharded, true);
-        sdp.finish_step(true);
-      }
-      const auto full = sdp.gather_optimizer_state(*sharded, spec);
-      if (rank == 0) {
-        for (size_t i = 0; i < params.size(); ++i) {
-          gathered[0][i] = read_param_state(*full->state().at(param_state_key(params[i]))).tensors;
-        }
-      }
-      for (auto& p : params) final_params[static_cast<size_t>(rank)].push_back(p.detach().clone());
-      auto whole = make_optimizer(spec, params);
-      auto mine = make_optimizer(spec, sdp.optimized_parameters());
-      for (auto& p : params) p.mutable_grad() = at::ones_like(p);
-      whole->step();
-      sdp.keep_owned_state(*whole, *mine);
-      kept[static_cast<size_t>(rank)] = mine->state().size();
-      owned[static_cast<size_t>(rank)] = sdp.optimized_parameters().size();
-    } catch (...) {
-      errors[static_cast<size_t>(rank)] = std::current_exception();
+  run_two_ranks([&](int rank) {
+    DistributedOptions o;
+    o.world_size = 2;
+    o.rank = rank;
+    o.master = master;
+    o.zero_stage = 1;
+    DistributedContext context(o);
+    auto params = make_large_params();
+    ShardedDataParallel sdp(context, params, 1);
+    auto sharded = make_optimizer(spec, sdp.optimized_parameters());
+    for (int step = 0; step < kSteps; ++step) {
+      for (size_t i = 0; i < params.size(); ++i) params[i].mutable_grad() = gradient(rank, i, step, params[i]);
+      sdp.reduce_gradients();
+      sharded->step();
+      zero_grad(*sharded, true);
+      sdp.finish_step(true);
     }
-  };
-  std::thread second(run_rank, 1);
-  run_rank(0);
-  second.join();
-  for (auto& e : errors) {
-    if (e) std::rethrow_exception(e);
-  }
+    const auto full = sdp.gather_optimizer_state(*sharded, spec);
+    if (rank == 0) {
+      for (size_t i = 0; i < params.size(); ++i) {
+        gathered[0][i] = read_param_state(*full->state().at(param_state_key(params[i]))).tensors;
+      }
+    }
+    for (auto& p : params) final_params[static_cast<size_t>(rank)].push_back(p.detach().clone());
+    auto whole = make_optimizer(spec, params);
+    auto mine = make_optimizer(spec, sdp.optimized_parameters());
+    for (auto& p : params) p.mutable_grad() = at::ones_like(p);
+    whole->step();
+    sdp.keep_owned_state(*whole, *mine);
+    kept[static_cast<size_t>(rank)] = mine->state().size();
+    owned[static_cast<size_t>(rank)] = sdp.optimized_parameters().size();
+  });
   auto params = make_large_params();
   auto reference = make_optimizer(spec, params);
   for (int step = 0; step < kSteps; ++step) {
