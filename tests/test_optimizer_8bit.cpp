@@ -203,6 +203,43 @@ TEST(Optimizer8BitTest, SmallTensorsFollowTorchAdamWAndAdamBitForBit) {
   }
 }
 
+// The fused CPU step (one pass per block) against the tensor-op step every device runs: the
+// same weights and the same codes, up to the rounding of LibTorch's vectorized kernels.
+TEST(Optimizer8BitTest, FusedCpuStepMatchesTheTensorOpStep) {
+  for (bool decoupled : {true, false}) {
+    torch::manual_seed(7);
+    torch::nn::Linear a(300, 70), b(300, 70);  // 21000 weights: 10 full blocks and one of 520 values
+    for (size_t i = 0; i < a->parameters().size(); ++i) b->parameters()[i].detach().copy_(a->parameters()[i].detach());
+    const auto options = Adam8bitOptions(0.01).weight_decay(0.1).decoupled_weight_decay(decoupled);
+    Adam8bit fused(a->parameters(), Adam8bitOptions(options).fused_cpu(true));
+    Adam8bit tensor_ops(b->parameters(), Adam8bitOptions(options).fused_cpu(false));
+    for (int step = 0; step < 6; ++step) {
+      for (size_t i = 0; i < a->parameters().size(); ++i) {
+        const at::Tensor g = at::randn_like(a->parameters()[i]) * (step + 1);
+        a->parameters()[i].mutable_grad() = g.clone();
+        b->parameters()[i].mutable_grad() = g.clone();
+      }
+      fused.step();
+      tensor_ops.step();
+    }
+    const std::string what = decoupled ? "AdamW" : "Adam";
+    const at::Tensor wa = a->weight.detach(), wb = b->weight.detach();
+    const double max_diff = (wa - wb).abs().max().item<double>();
+    RecordProperty(what + "_weights_max_abs_diff", std::to_string(max_diff));  // 0 here: bit-equal on this machine
+    EXPECT_TRUE(at::allclose(wa, wb, 1e-6, 1e-7)) << what << ": max |diff| " << max_diff;
+    const auto& sa = static_cast<const Adam8bitParamState&>(*fused.state().at(param_state_key(a->weight)));
+    const auto& sb = static_cast<const Adam8bitParamState&>(*tensor_ops.state().at(param_state_key(b->weight)));
+    ASSERT_TRUE(sa.quantized() && sb.quantized());
+    for (const auto& [x, y] : {std::pair(sa.exp_avg_codes(), sb.exp_avg_codes()), std::pair(sa.exp_avg_sq_codes(), sb.exp_avg_sq_codes())}) {
+      const int64_t differing = x.ne(y).sum().item<int64_t>();
+      RecordProperty(what + "_codes_differing", std::to_string(differing));
+      EXPECT_LE(differing, x.numel() / 1000) << what << ": codes differing (a value on a midpoint rounds either way)";
+    }
+    EXPECT_TRUE(at::allclose(sa.exp_avg_absmax(), sb.exp_avg_absmax(), 1e-6, 0)) << what;
+    EXPECT_TRUE(at::allclose(sa.exp_avg_sq_absmax(), sb.exp_avg_sq_absmax(), 1e-6, 0)) << what;
+  }
+}
+
 // A small regression MLP trained by each optimizer on the same data (full batch).
 struct Regression {
   torch::nn::Sequential net;

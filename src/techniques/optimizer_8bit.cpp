@@ -1,6 +1,7 @@
 #include "memfit/techniques/optimizer_8bit.h"
 
 #include "memfit/compat.h"
+#include "techniques/optimizer_8bit_fused.h"
 
 #include <torch/serialize/archive.h>
 
@@ -141,6 +142,27 @@ void adam_math(at::Tensor param, at::Tensor grad, const at::Tensor& exp_avg, con
   exp_avg_sq.mul_(s.beta2).addcmul_(grad, grad, 1 - s.beta2);
   const at::Tensor denom = (exp_avg_sq.sqrt() / std::sqrt(s.bias_correction2)).add_(o.eps());
   param.addcdiv_(exp_avg, denom, -(o.lr() / s.bias_correction1));
+}
+
+// The fp32 scalars the fused CPU step uses: those LibTorch's kernels convert the tensor-op
+// path's double arguments to on fp32 tensors.
+detail::FusedAdamScalars fused_scalars(const Adam8bitOptions& o, const AdamStepScalars& s) {
+  detail::FusedAdamScalars f{};
+  f.beta1 = static_cast<float>(s.beta1);
+  f.one_minus_beta1 = static_cast<float>(1 - s.beta1);
+  f.beta2 = static_cast<float>(s.beta2);
+  f.one_minus_beta2 = static_cast<float>(1 - s.beta2);
+  f.sqrt_bias_correction2 = static_cast<float>(std::sqrt(s.bias_correction2));
+  f.eps = static_cast<float>(o.eps());
+  f.neg_step_size = static_cast<float>(-(o.lr() / s.bias_correction1));
+  f.decoupled = o.decoupled_weight_decay();
+  f.decay = static_cast<float>(1 - o.lr() * o.weight_decay());
+  f.weight_decay = static_cast<float>(o.weight_decay());
+  return f;
+}
+
+detail::FusedMapTables fused_tables(const DynamicMap& map) {
+  return {map.values.data_ptr<float>(), map.bucket_codes.data_ptr<uint8_t>(), map.bucket_thresholds.data_ptr<float>()};
 }
 
 Adam8bitParamState new_state(const at::Tensor& p, const Adam8bitOptions& o) {
@@ -317,22 +339,13 @@ at::Tensor Adam8bit::step(LossClosure closure) {
   return loss;
 }
 
-void Adam8bit::update(at::Tensor& param, const at::Tensor& grad, const Adam8bitOptions& o) {
-  const auto key = compat::optimizer_state_key(param);
-  auto it = state_.find(key);
-  if (it == state_.end()) it = state_.emplace(key, std::make_unique<Adam8bitParamState>(new_state(param, o))).first;
-  auto& s = static_cast<Adam8bitParamState&>(*it->second);
-  s.step(s.step() + 1);
-  const AdamStepScalars scalars = step_scalars(o, s.step());
-  if (!s.quantized()) {
-    adam_math(param, grad, s.exp_avg(), s.exp_avg_sq(), o, scalars);
-    return;
-  }
-  const DynamicMap& signed_map = dynamic_map(true, param.device());
-  const DynamicMap& unsigned_map = dynamic_map(false, param.device());
-  // Flat views of whole blocks at a time (a non-contiguous parameter is updated on a copy).
-  at::Tensor flat_param = param.is_contiguous() ? param.view(-1) : param.contiguous().view(-1);
-  const at::Tensor flat_grad = grad.contiguous().view(-1).to(at::kFloat);
+namespace {
+
+// A quantized parameter's step with LibTorch ops over chunks of blocks: any device.
+void update_quantized_tensor_ops(at::Tensor& flat_param, const at::Tensor& flat_grad, Adam8bitParamState& s,
+                                 const Adam8bitOptions& o, const AdamStepScalars& scalars) {
+  const DynamicMap& signed_map = dynamic_map(true, flat_param.device());
+  const DynamicMap& unsigned_map = dynamic_map(false, flat_param.device());
   const int64_t n = flat_param.numel(), chunk = kChunkBlocks * kQuantBlockSize;
   for (int64_t start = 0; start < n; start += chunk) {
     const int64_t length = std::min(chunk, n - start);
@@ -346,6 +359,43 @@ void Adam8bit::update(at::Tensor& param, const at::Tensor& grad, const Adam8bitO
     adam_math(flat_param.narrow(0, start, length), flat_grad.narrow(0, start, length), exp_avg, exp_avg_sq, o, scalars);
     quantize_blockwise_into(exp_avg, signed_map, m_codes, m_absmax);
     quantize_blockwise_into(exp_avg_sq, unsigned_map, v_codes, v_absmax);
+  }
+}
+
+// The same step fused per block on the CPU (optimizer_8bit_fused.h).
+void update_quantized_fused(at::Tensor& flat_param, const at::Tensor& flat_grad, Adam8bitParamState& s,
+                          const Adam8bitOptions& o, const AdamStepScalars& scalars) {
+  for (const at::Tensor* t : {&s.exp_avg_codes(), &s.exp_avg_absmax(), &s.exp_avg_sq_codes(), &s.exp_avg_sq_absmax()}) {
+    TORCH_CHECK(t->is_contiguous() && t->is_cpu(), "memfit::Adam8bit: 8-bit state must be contiguous CPU tensors here");
+  }
+  const detail::FusedMoment m{s.exp_avg_codes().data_ptr<uint8_t>(), s.exp_avg_absmax().data_ptr<float>(),
+                              fused_tables(dynamic_map(true))};
+  const detail::FusedMoment v{s.exp_avg_sq_codes().data_ptr<uint8_t>(), s.exp_avg_sq_absmax().data_ptr<float>(),
+                              fused_tables(dynamic_map(false))};
+  detail::fused_adam8bit_cpu(flat_param.data_ptr<float>(), flat_grad.data_ptr<float>(), flat_param.numel(), m, v,
+                             fused_scalars(o, scalars));
+}
+
+}  // namespace
+
+void Adam8bit::update(at::Tensor& param, const at::Tensor& grad, const Adam8bitOptions& o) {
+  const auto key = compat::optimizer_state_key(param);
+  auto it = state_.find(key);
+  if (it == state_.end()) it = state_.emplace(key, std::make_unique<Adam8bitParamState>(new_state(param, o))).first;
+  auto& s = static_cast<Adam8bitParamState&>(*it->second);
+  s.step(s.step() + 1);
+  const AdamStepScalars scalars = step_scalars(o, s.step());
+  if (!s.quantized()) {
+    adam_math(param, grad, s.exp_avg(), s.exp_avg_sq(), o, scalars);
+    return;
+  }
+  // Flat views of whole blocks at a time (a non-contiguous parameter is updated on a copy).
+  at::Tensor flat_param = param.is_contiguous() ? param.view(-1) : param.contiguous().view(-1);
+  const at::Tensor flat_grad = grad.contiguous().view(-1).to(at::kFloat);
+  if (o.fused_cpu() && flat_param.is_cpu()) {
+    update_quantized_fused(flat_param, flat_grad, s, o, scalars);
+  } else {
+    update_quantized_tensor_ops(flat_param, flat_grad, s, o, scalars);
   }
   if (!param.is_contiguous()) param.copy_(flat_param.view(param.sizes()));
 }
