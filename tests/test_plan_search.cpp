@@ -262,3 +262,37 @@ TEST(PlanSearchTest, BatchMustMatchTheProfile) {
 
 }  // namespace
 }  // namespace memfit
+
+namespace memfit {
+namespace {
+
+// The profile cache's form (profile_cache.h): every measured number read back exactly, so the
+// plan made from a cached profile is the plan made from the measured one.
+TEST(PlanSearchTest, MeasuredCostsRoundTripThroughJsonExactly) {
+  MeasuredCosts costs;
+  costs.profile = hand_workload();
+  costs.profile.precisions.push_back(hand_profile(Precision::kBF16, 0.6));
+  costs.profile.precisions.back().small.blocks[1].cast_bytes = 12345;
+  costs.profile.precisions.back().calibration = 1.0 / 3.0;  // no short decimal form
+  costs.profile.notes = {"a note"};
+  OptimizerCost q8 = hand_request().optimizer;
+  q8.state = StatePrecision::k8Bit;
+  q8.seconds = 0.1 + 0.2;
+  costs.optimizer = {hand_request().optimizer, q8};
+  const MeasuredCosts back = measured_costs_from_json(nlohmann::json::parse(measured_costs_json(costs).dump()));
+  EXPECT_EQ(measured_costs_json(back), measured_costs_json(costs));
+  EXPECT_EQ(back.profile.precisions.back().calibration, 1.0 / 3.0);
+  EXPECT_EQ(back.optimizer[1].seconds, 0.1 + 0.2);
+  PlanRequest request = hand_request();
+  request.optimizer_alternatives = {q8};
+  for (int64_t budget : {600000, 900000, 2000000}) {
+    request.budget_bytes = budget;
+    EXPECT_EQ(plan_json(Planner(back.profile, request).plan()), plan_json(Planner(costs.profile, request).plan())) << budget;
+  }
+  nlohmann::json broken = measured_costs_json(costs);
+  broken["profile"]["precisions"][0]["small"]["blocks"].erase(0);
+  EXPECT_THROW(measured_costs_from_json(broken), std::invalid_argument) << "a block missing";
+}
+
+}  // namespace
+}  // namespace memfit

@@ -3,6 +3,7 @@
 #pragma once
 
 #include "memfit/compat.h"
+#include "memfit/digest.h"
 #include "memfit/errors.h"
 
 // measure/: exact bytes from the allocator, the hard budget, where the bytes go.
@@ -36,6 +37,7 @@
 // plan/: profiles, the checkpoint-schedule DP, the planner, verification, per-rank state.
 #include "memfit/plan/planner.h"
 #include "memfit/plan/profile.h"
+#include "memfit/plan/profile_cache.h"
 #include "memfit/plan/rank_states.h"
 #include "memfit/plan/schedule.h"
 #include "memfit/plan/verify.h"

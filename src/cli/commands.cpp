@@ -99,7 +99,9 @@ void print_plan_table(const Workload& w, const Plan& plan, const Verification* v
   }
   fmt::print("  {:<28}{}\n", "plain step, predicted peak", bytes_cell(plan.plain_predicted_peak));
   fmt::print("  {:<28}{}\n", "smallest budget (floor)", bytes_cell(plan.floor_bytes));
-  fmt::print("  profiling {:.2f} s, planning {:.3f} s\n", j["profile_seconds"].get<double>(), j["solve_seconds"].get<double>());
+  fmt::print("  {} {:.2f} s, planning {:.3f} s\n",
+             j["profile_cached"].get<bool>() ? "profile read from the cache (--replan measures again) in" : "profiling",
+             j["profile_seconds"].get<double>(), j["solve_seconds"].get<double>());
   for (const auto& n : j["notes"]) fmt::print("  note: {}\n", n.get<std::string>());
 }
 
@@ -163,9 +165,8 @@ int run_plan_command(WorkloadFlags& wf, const StepFlags& sf, const PlanFlags& f)
   const auto precisions = precision_candidates(sf.precision, request.step.device.type());
   w.chain->to(request.step.device);
   const Batch batch = w.data->train_batch(0, request.step.batch, w.seed).to(request.step.device);
-  const auto t0 = std::chrono::steady_clock::now();
-  const Planner planner = measure_and_plan(w, batch, precisions, request, *tracker);
-  const double profile_s = seconds_since(t0);
+  CostsSource source;
+  const Planner planner = measure_and_plan(w, batch, precisions, request, *tracker, {}, profile_cache_options(sf), &source);
   const auto t1 = std::chrono::steady_clock::now();
   Plan plan = planner.plan();
   const double solve_s = seconds_since(t1);
@@ -174,8 +175,10 @@ int run_plan_command(WorkloadFlags& wf, const StepFlags& sf, const PlanFlags& f)
   if (verified) v = verify_plan(w, planner, plan, *tracker, /*measure_plain=*/true);
   nlohmann::json j = verified ? verified_plan_json(plan, v) : plan_json(plan);
   for (const auto& n : w.notes) j["notes"].push_back(n);
-  j["profile_seconds"] = profile_s;
+  j["profile_seconds"] = source.seconds;
+  j["profile_cached"] = source.cached;
   j["solve_seconds"] = solve_s;
+  for (const auto& n : source.notes) j["notes"].push_back(n);
   if (f.json) {
     std::cout << j.dump(2) << "\n";
   } else {
@@ -207,6 +210,7 @@ int run_train_command(WorkloadFlags& wf, const StepFlags& sf, TrainFlags& f) {
   o.optimizer = fixed.optimizer;
   o.precision = sf.precision;
   o.checkpoint = pinned_checkpoint(sf.checkpoint, w.chain->size());
+  o.profile_cache = profile_cache_options(sf);
   StopOnSignals stop_on_ctrl_c;  // the first Ctrl-C finishes the step, saves and summarizes
   const TrainSummary summary = train(w, o, std::cout);
   return summary.interrupted ? 130 : 0;

@@ -51,6 +51,18 @@ void add_step_flags(CLI::App& app, StepFlags& f, bool planned) {
                  std::string("adam, adamw: fp32 | 8bit (blockwise 8-bit moments, ~1/4 of the bytes)") +
                      (planned ? " | auto (8bit only where it lets a faster plan fit, or any plan)" : ""))
       ->capture_default_str();
+  if (!planned) return;
+  app.add_option("--profile-cache", f.profile_cache,
+                 "keep the planner's measurements in this directory for the next run of the same job, or none "
+                 "(default: $MEMFIT_CACHE_DIR, $XDG_CACHE_HOME/memfit or ~/.cache/memfit)");
+  app.add_flag("--replan", f.replan, "measure the model again even when the profile cache holds its measurements");
+}
+
+ProfileCacheOptions profile_cache_options(const StepFlags& f) {
+  ProfileCacheOptions o;
+  o.dir = f.profile_cache.empty() ? default_profile_cache_dir() : (f.profile_cache == "none" ? "" : f.profile_cache);
+  o.replan = f.replan;
+  return o;
 }
 
 Workload build_workload(WorkloadFlags& f) {

@@ -34,7 +34,12 @@ struct StepFlags {
   std::optional<double> weight_decay;
   std::string betas = "0.9,0.999";
   std::string optimizer_state = "fp32";  // fp32 | 8bit | auto (report: fp32 | 8bit)
+  std::string profile_cache;  // plan and train: a directory, or none ("": the default one)
+  bool replan = false;        // plan and train: measure even when the cache holds the measurements
 };
+
+// --profile-cache and --replan as the library's options (the default directory unless given).
+ProfileCacheOptions profile_cache_options(const StepFlags& flags);
 
 void add_workload_flags(CLI::App& app, WorkloadFlags& flags);
 // `planned`: plan and train, whose precision and checkpoint default to auto (chosen).

@@ -338,13 +338,15 @@ Plan plan_from_json(const nlohmann::json& j, int blocks) {
 }
 
 Planner measure_and_plan(Workload& w, const Batch& batch, const std::vector<Precision>& precisions, PlanRequest request,
-                         MemoryTracker& tracker, std::vector<at::Tensor> optimized) {
+                         MemoryTracker& tracker, std::vector<at::Tensor> optimized, const ProfileCacheOptions& cache,
+                         CostsSource* source) {
   if (optimized.empty()) optimized = w.chain->parameters();
-  WorkloadProfile profile = profile_workload(w, batch, precisions, tracker);
-  std::vector<OptimizerCost> costs = measure_optimizer_states(request.step.optimizer, optimized, tracker);
-  request.optimizer = costs.front();
-  request.optimizer_alternatives.assign(costs.begin() + 1, costs.end());
-  return Planner(std::move(profile), std::move(request));
+  CostsSource ignored;
+  MeasuredCosts costs = measure_costs(w, batch, precisions, request.step.optimizer, optimized, tracker, cache,
+                                      source != nullptr ? *source : ignored);
+  request.optimizer = costs.optimizer.front();
+  request.optimizer_alternatives.assign(costs.optimizer.begin() + 1, costs.optimizer.end());
+  return Planner(std::move(costs.profile), std::move(request));
 }
 
 }  // namespace memfit

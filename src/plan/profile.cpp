@@ -10,6 +10,7 @@
 #include "memfit/techniques/optimizer_8bit.h"
 #include "memfit/techniques/grads.h"
 #include "memfit/techniques/rng.h"
+#include "runtime/json_fields.h"
 
 namespace memfit {
 namespace {
@@ -278,6 +279,119 @@ std::vector<OptimizerCost> measure_optimizer_states(const OptimizerSpec& spec, c
     out.push_back(measure_optimizer(spec.with_state(StatePrecision::k8Bit), params, tracker));
   }
   return out;
+}
+
+}  // namespace memfit
+
+// --- the one JSON form of the measurements (the profile cache stores it) -------------------
+
+namespace memfit {
+namespace {
+
+namespace jf = json_fields;
+
+nlohmann::json block_cost_json(const BlockCost& b) {
+  return {{"forward_seconds", b.forward_seconds}, {"backward_seconds", b.backward_seconds},
+          {"output_bytes", b.output_bytes},       {"output_kept", b.output_kept},
+          {"kept_bytes", b.kept_bytes},           {"forward_peak", b.forward_peak},
+          {"forward_nograd_peak", b.forward_nograd_peak}, {"backward_peak", b.backward_peak},
+          {"param_bytes", b.param_bytes},         {"cast_bytes", b.cast_bytes}};
+}
+
+BlockCost block_cost_from_json(const nlohmann::json& j) {
+  BlockCost b;
+  b.forward_seconds = jf::number(j, "forward_seconds");
+  b.backward_seconds = jf::number(j, "backward_seconds");
+  b.output_bytes = jf::integer(j, "output_bytes");
+  b.output_kept = jf::boolean(j, "output_kept");
+  b.kept_bytes = jf::integer(j, "kept_bytes");
+  b.forward_peak = jf::integer(j, "forward_peak");
+  b.forward_nograd_peak = jf::integer(j, "forward_nograd_peak");
+  b.backward_peak = jf::integer(j, "backward_peak");
+  b.param_bytes = jf::integer(j, "param_bytes");
+  b.cast_bytes = jf::integer(j, "cast_bytes");
+  return b;
+}
+
+nlohmann::json chain_profile_json(const ChainProfile& c) {
+  nlohmann::json blocks = nlohmann::json::array();
+  for (const auto& b : c.blocks) blocks.push_back(block_cost_json(b));
+  return {{"micro_batch", c.micro_batch}, {"blocks", blocks}};
+}
+
+ChainProfile chain_profile_from_json(const nlohmann::json& j, size_t blocks) {
+  ChainProfile c;
+  c.micro_batch = jf::integer(j, "micro_batch", 1);
+  for (const auto& b : jf::array(j, "blocks", static_cast<int>(blocks))) c.blocks.push_back(block_cost_from_json(b));
+  return c;
+}
+
+nlohmann::json precision_profile_json(const PrecisionProfile& p) {
+  return {{"precision", precision_name(p.precision)},
+          {"small", chain_profile_json(p.small)},
+          {"large", chain_profile_json(p.large)},
+          {"calibration", p.calibration},
+          {"chain_seconds_small", p.chain_seconds_small},
+          {"chain_seconds_large", p.chain_seconds_large},
+          {"chain_seconds_full", p.chain_seconds_full}};
+}
+
+PrecisionProfile precision_profile_from_json(const nlohmann::json& j, size_t blocks) {
+  PrecisionProfile p;
+  p.precision = parse_precision(jf::text(j, "precision"));
+  p.small = chain_profile_from_json(jf::field(j, "small"), blocks);
+  p.large = chain_profile_from_json(jf::field(j, "large"), blocks);
+  p.calibration = jf::number(j, "calibration");
+  p.chain_seconds_small = jf::number(j, "chain_seconds_small");
+  p.chain_seconds_large = jf::number(j, "chain_seconds_large");
+  p.chain_seconds_full = jf::number(j, "chain_seconds_full");
+  return p;
+}
+
+}  // namespace
+
+nlohmann::json profile_json(const WorkloadProfile& p) {
+  nlohmann::json precisions = nlohmann::json::array();
+  for (const auto& pp : p.precisions) precisions.push_back(precision_profile_json(pp));
+  return {{"batch", p.batch},
+          {"weight_bytes", p.weight_bytes},
+          {"batch_bytes", p.batch_bytes},
+          {"segment_overhead_bytes", p.segment_overhead_bytes},
+          {"blocks", p.precisions.empty() ? 0 : p.precisions.front().small.blocks.size()},
+          {"precisions", precisions},
+          {"notes", p.notes}};
+}
+
+WorkloadProfile profile_from_json(const nlohmann::json& j) {
+  WorkloadProfile p;
+  p.batch = jf::integer(j, "batch", 1);
+  p.weight_bytes = jf::integer(j, "weight_bytes");
+  p.batch_bytes = jf::integer(j, "batch_bytes");
+  p.segment_overhead_bytes = jf::integer(j, "segment_overhead_bytes");
+  const auto blocks = static_cast<size_t>(jf::integer(j, "blocks", 1));
+  const auto& precisions = jf::array(j, "precisions");
+  if (precisions.empty()) throw std::invalid_argument("JSON: 'precisions' must not be empty");
+  for (const auto& pp : precisions) p.precisions.push_back(precision_profile_from_json(pp, blocks));
+  for (const auto& note : jf::array(j, "notes")) {
+    if (!note.is_string()) throw std::invalid_argument("JSON: 'notes' must hold strings");
+    p.notes.push_back(note.get<std::string>());
+  }
+  return p;
+}
+
+nlohmann::json optimizer_cost_json(const OptimizerCost& c) {
+  return {{"state_bytes", c.state_bytes}, {"step_bytes", c.step_bytes}, {"seconds", c.seconds},
+          {"state", state_precision_name(c.state)}};
+}
+
+OptimizerCost optimizer_cost_from_json(const nlohmann::json& j) {
+  OptimizerCost c;
+  c.state_bytes = jf::integer(j, "state_bytes");
+  c.step_bytes = jf::integer(j, "step_bytes");
+  c.seconds = jf::number(j, "seconds");
+  c.state = parse_state_precision(jf::text(j, "state"));
+  if (c.state == StatePrecision::kAuto) throw std::invalid_argument("JSON: an optimizer cost's 'state' is fp32 or 8bit");
+  return c;
 }
 
 }  // namespace memfit

@@ -9,6 +9,7 @@
 #include <iterator>
 #include <sstream>
 
+#include "memfit/digest.h"
 #include "memfit/errors.h"
 
 namespace memfit {
@@ -194,6 +195,7 @@ Workload load_script_workload(const ScriptWorkloadOptions& o) {
   w.sample_tokens = inputs.dim() == 2 && !inputs.is_floating_point() ? inputs.size(1) : 1;
   w.description = o.model_file + ": " + std::to_string(w.chain->size()) + " block(s), " +
                   std::to_string(parameter_count(*w.chain)) + " parameters; " + w.data->describe();
+  w.fingerprint = "model " + sha256_file(o.model_file) + ", loss " + std::to_string(static_cast<int>(o.loss));
   w.save_model = [root](const std::string& path) { root.save(path); };
   torch::manual_seed(o.seed);
   check_runs(w);

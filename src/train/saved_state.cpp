@@ -1,7 +1,6 @@
 #include "memfit/train/saved_state.h"
 
 #include <fcntl.h>
-#include <openssl/evp.h>
 #include <torch/serialize.h>
 #include <unistd.h>
 
@@ -19,32 +18,6 @@ namespace memfit {
 namespace {
 
 constexpr const char* kManifest = "state.json";
-
-// Incremental sha256 (OpenSSL 3's EVP interface; the SHA256_* functions are deprecated there).
-class Sha256 {
- public:
-  Sha256() : ctx_(EVP_MD_CTX_new(), &EVP_MD_CTX_free) {
-    if (!ctx_ || EVP_DigestInit_ex(ctx_.get(), EVP_sha256(), nullptr) != 1) {
-      throw std::runtime_error("sha256: cannot initialise OpenSSL's digest");
-    }
-  }
-  void add(const void* data, size_t size) { EVP_DigestUpdate(ctx_.get(), data, size); }
-  std::string hex() {
-    unsigned char digest[EVP_MAX_MD_SIZE];
-    unsigned int length = 0;
-    EVP_DigestFinal_ex(ctx_.get(), digest, &length);
-    std::string out;
-    char two[3];
-    for (unsigned int i = 0; i < length; ++i) {
-      std::snprintf(two, sizeof two, "%02x", digest[i]);
-      out += two;
-    }
-    return out;
-  }
-
- private:
-  std::unique_ptr<EVP_MD_CTX, decltype(&EVP_MD_CTX_free)> ctx_;
-};
 
 std::string read_file(const fs::path& path) {
   std::error_code ec;
@@ -132,12 +105,6 @@ nlohmann::json read_manifest(const fs::path& dir) {
 }
 
 }  // namespace
-
-std::string sha256_hex(const void* data, size_t size) {
-  Sha256 sha;
-  sha.add(data, size);
-  return sha.hex();
-}
 
 std::string weights_sha256(const torch::nn::Module& module) {
   Sha256 sha;

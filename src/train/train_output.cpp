@@ -106,7 +106,10 @@ void print_plan(TrainerState& t) {
   if (p.plain_predicted_seconds > 0 && p.predicted_seconds > 0) {
     t.out << "; predicted step time " << fixed2(p.predicted_seconds / p.plain_predicted_seconds) << "x the plain step";
   }
-  t.out << "\n";
+  t.out << "\n  planned in " << fixed2(t.summary.planning_seconds) << " s"
+        << (t.costs_source.cached ? ", the measurements read from the profile cache (--replan measures again)"
+                                  : ", measuring the model" + std::string(t.costs_source.path.empty() ? "" : " (cached for the next run)"))
+        << "\n";
   for (const auto& n : p.notes) t.out << "  note: " << n << "\n";
   t.out << "  budget covers tensor storage (LibTorch's allocator); BLAS/oneDNN workspaces are outside it\n\n"
         << std::flush;  // the plan shows before training starts, also through a pipe (memfit launch)
@@ -158,6 +161,11 @@ void print_summary(TrainerState& t) {
   if (t.o.eval_every > 0) t.out << ", held-out loss " << s.eval_loss;
   t.out << "\n  peak " << format_bytes(s.peak_bytes) << " (" << s.peak_bytes << " bytes) of a " << format_bytes(t.budget)
         << " budget; out-of-memory recoveries: " << s.oom_recoveries << "\n";
+  if (s.skipped_steps > 0) t.out << "  optimizer steps skipped by the loss scaler (inf/NaN gradients): " << s.skipped_steps << "\n";
+  if (s.skipped_updates > 0) {
+    t.out << "  parameter updates skipped by the 8-bit optimizer (inf/NaN gradients; weights and state kept): "
+          << s.skipped_updates << "\n";
+  }
   t.out << "  state at the optimizer step"
         << (t.sdp ? " per rank (ZeRO stage " + std::to_string(t.sdp->zero_stage()) + ")" : "")
         << "; activations and the rest come on top, up to the peak:\n";

@@ -13,6 +13,7 @@
 #include "memfit/measure/size.h"
 #include "memfit/plan/profile.h"
 #include "memfit/techniques/grads.h"
+#include "memfit/techniques/optimizer_8bit.h"
 #include "memfit/techniques/rng.h"
 #include "memfit/train/saved_state.h"
 #include "memfit/train/stop_signal.h"
@@ -181,8 +182,10 @@ void Trainer::make_planner() {
   const std::vector<Precision> precisions = precision_candidates(t.o.precision, t.o.device.type());
   const Batch first = t.w.data->train_batch(t.start_step, t.o.batch, t.w.seed).slice(t.local.start, t.local.length).to(t.o.device);
   const RngState rng = capture_rng(t.o.device);  // measuring draws dropout masks: training must not notice
-  WorkloadProfile profile = profile_workload(t.w, first, precisions, *t.tracker);
   const auto optimized = t.sdp ? t.sdp->optimized_parameters() : t.params;
+  MeasuredCosts costs = measure_costs(t.w, first, precisions, t.o.optimizer, optimized, *t.tracker, t.o.profile_cache,
+                                      t.costs_source);
+  t.plan.notes.insert(t.plan.notes.end(), t.costs_source.notes.begin(), t.costs_source.notes.end());
   PlanRequest request;
   request.step.device = t.o.device;
   request.step.batch = t.local.length;
@@ -192,14 +195,8 @@ void Trainer::make_planner() {
   request.checkpoint = t.o.checkpoint;
   request.margin = kMargin;
   request.resident_bytes = t.resident_bytes;
-  // A resumed run's optimizer state exists already; measuring on the same parameters would
-  // count it twice, so the cost is measured on copies of them.
-  std::vector<at::Tensor> copies;
-  for (const auto& p : optimized) copies.push_back(p.detach().clone().requires_grad_(true));
-  std::vector<OptimizerCost> costs = measure_optimizer_states(t.o.optimizer, copies, *t.tracker);
-  copies.clear();
-  request.optimizer = costs.front();
-  request.optimizer_alternatives.assign(costs.begin() + 1, costs.end());
+  request.optimizer = costs.optimizer.front();
+  request.optimizer_alternatives.assign(costs.optimizer.begin() + 1, costs.optimizer.end());
   // Per rank: the gradients kept through the optimizer step (only this rank's share at ZeRO
   // stage 2), and, on rank 0 of a sharded run that saves, the whole state gathered to save.
   request.gradient_bytes = predicted_rank_states(t.params, t.o.distributed.world_size, t.o.distributed.zero_stage, 0)
@@ -209,11 +206,11 @@ void Trainer::make_planner() {
     for (const auto& p : optimized) owned += static_cast<int64_t>(p.nbytes());
     // (With state auto, the larger of the candidate states: a safe bound for either.)
     int64_t state_bytes = 0;
-    for (const auto& c : costs) state_bytes = std::max(state_bytes, c.state_bytes);
+    for (const auto& c : costs.optimizer) state_bytes = std::max(state_bytes, c.state_bytes);
     const double per_byte = owned > 0 ? static_cast<double>(state_bytes) / static_cast<double>(owned) : 0.0;
-    request.extra_bytes = std::llround(per_byte * static_cast<double>(profile.weight_bytes)) - state_bytes;
+    request.extra_bytes = std::llround(per_byte * static_cast<double>(costs.profile.weight_bytes)) - state_bytes;
   }
-  t.planner.emplace(std::move(profile), std::move(request));
+  t.planner.emplace(std::move(costs.profile), std::move(request));
   restore_rng(rng);
   if (t.start_step == 0) torch::manual_seed(t.w.seed);  // training's random stream starts from the seed
 }
@@ -278,9 +275,12 @@ void Trainer::adopt_rank0_plan() {
 const Plan& Trainer::plan() {
   TrainerState& t = *impl_;
   TORCH_CHECK(t.tracker != nullptr, "memfit::Trainer: call set_up() before plan()");
+  const auto planning_start = TrainClock::now();
   make_planner();
   choose_budget();
   choose_plan();
+  t.summary.planning_seconds = std::chrono::duration<double>(TrainClock::now() - planning_start).count();
+  t.summary.profile_cached = t.costs_source.cached;
   if (t.context && t.resumed_meta.is_null()) adopt_rank0_plan();
   // State auto: the plan chose the optimizer's state precision (nothing is stepped yet).
   if (t.plan.config.optimizer.state != t.optimizer_spec.state) build_optimizer(t.plan.config.optimizer.state);
@@ -333,7 +333,7 @@ void Trainer::update(bool last) {
     t.own_state = {live.weights, live.gradients, live.optimizer_state};
   };
   try {
-    optimizer_step(*t.optimizer, so);
+    if (optimizer_step(*t.optimizer, so)) ++t.summary.skipped_steps;
   } catch (const c10::OutOfMemoryError&) {
     throw std::runtime_error("out of memory in the optimizer step: budget " + format_bytes(t.budget) +
                              " cannot hold weights, gradients and the state of " + t.optimizer_spec.describe() +
@@ -478,12 +478,17 @@ TrainSummary Trainer::summarize() {
   s.budget_bytes = t.budget;
   s.plan = t.plan;
   s.ranks.clear();
+  const auto* adam8bit = dynamic_cast<const Adam8bit*>(t.optimizer.get());
+  const int64_t own_skipped = adam8bit != nullptr ? adam8bit->skipped_updates() : 0;
+  s.skipped_updates = own_skipped;
   if (t.context) {
-    const auto all = t.context->all_gather({t.own_state.weights, t.own_state.gradients, t.own_state.optimizer_state},
-                                           "gathering state bytes");
+    const auto all = t.context->all_gather(
+        {t.own_state.weights, t.own_state.gradients, t.own_state.optimizer_state, own_skipped}, "gathering state bytes");
+    s.skipped_updates = 0;
     for (int r = 0; r < s.world_size; ++r) {
       const auto& v = all[static_cast<size_t>(r)];
       s.ranks.push_back({r, {v[0], v[1], v[2]}});
+      s.skipped_updates += v[3];
     }
   } else {
     s.ranks.push_back({0, t.own_state});
@@ -551,6 +556,8 @@ nlohmann::json TrainSummary::json() const {
           {"samples", samples},         {"final_loss", final_loss},
           {"eval_loss", eval_loss},     {"peak_bytes", peak_bytes},
           {"budget_bytes", budget_bytes}, {"oom_recoveries", oom_recoveries},
+          {"skipped_steps", skipped_steps}, {"skipped_updates", skipped_updates},
+          {"planning_seconds", planning_seconds}, {"profile_cached", profile_cached},
           {"weights_sha256", weights_sha256},
           {"world_size", world_size},   {"zero_stage", zero_stage},
           {"seconds", seconds},         {"interrupted", interrupted},

@@ -81,6 +81,7 @@ struct TrainerState {
   int64_t resident_bytes = 0;       // counted by the budget, outside the tracker (caller's data)
   int64_t start_step = 0;
   nlohmann::json resumed_meta;      // null unless resumed
+  CostsSource costs_source;          // the planner's measurements: measured now, or from the cache
   std::optional<Planner> planner;
   Plan plan;
   int64_t budget = 0;

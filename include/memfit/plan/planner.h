@@ -23,6 +23,7 @@
 #include <vector>
 
 #include "memfit/plan/profile.h"
+#include "memfit/plan/profile_cache.h"
 #include "memfit/plan/schedule.h"
 #include "memfit/runtime/step_config.h"
 
@@ -110,8 +111,11 @@ class Planner {
 
 // Profiles the workload for `batch` at each precision and measures the optimizer of
 // request.step over `optimized` (this process's parameters; empty: all), then returns the
-// Planner over those measurements. `tracker` must be installed on this thread.
+// Planner over those measurements. With a cache directory the measurements are read from it
+// when it holds them (profile_cache.h); `source` says where they came from. `tracker` must be
+// installed on this thread.
 Planner measure_and_plan(Workload& workload, const Batch& batch, const std::vector<Precision>& precisions,
-                         PlanRequest request, MemoryTracker& tracker, std::vector<at::Tensor> optimized = {});
+                         PlanRequest request, MemoryTracker& tracker, std::vector<at::Tensor> optimized = {},
+                         const ProfileCacheOptions& cache = {}, CostsSource* source = nullptr);
 
 }  // namespace memfit

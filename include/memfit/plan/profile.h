@@ -12,6 +12,8 @@
 // process steps, counted by the tracker (state bytes, and the step's temporaries).
 #pragma once
 
+#include <nlohmann/json.hpp>
+
 #include <cstdint>
 #include <string>
 #include <vector>
@@ -88,5 +90,13 @@ OptimizerCost measure_optimizer(const OptimizerSpec& spec, const std::vector<at:
 // then (Adam, AdamW) 8-bit.
 std::vector<OptimizerCost> measure_optimizer_states(const OptimizerSpec& spec, const std::vector<at::Tensor>& parameters,
                                                     MemoryTracker& tracker);
+
+// The one JSON form of the measurements (the profile cache's files): numbers round-trip
+// exactly, so a plan made from a read profile equals the plan made from the measured one.
+// The readers throw std::invalid_argument naming the first bad field.
+nlohmann::json profile_json(const WorkloadProfile& profile);
+WorkloadProfile profile_from_json(const nlohmann::json& j);
+nlohmann::json optimizer_cost_json(const OptimizerCost& cost);
+OptimizerCost optimizer_cost_from_json(const nlohmann::json& j);
 
 }  // namespace memfit

@@ -32,6 +32,9 @@ struct Workload {
   LossFn loss;
   uint64_t seed = 0;           // the batch stream and dropout (the weights are the caller's)
   int64_t sample_tokens = 1;   // tokens per sample (seq for text), for throughput
+  // What the costs depend on besides the blocks' shapes and the program's code (a TorchScript
+  // file's sha256 and the loss): the profile cache keys on it (plan/profile_cache.h).
+  std::string fingerprint;
   std::vector<std::string> notes;  // said once when the workload is used (e.g. "runs as one block")
   // Optional: writes the trained model to a file in the workload's own format (a TorchScript
   // file for a model that came as one); the trainer writes DIR/model.pt with it on --save.

@@ -20,6 +20,8 @@
 #include <memory>
 #include <string>
 
+#include "memfit/digest.h"
+
 namespace memfit {
 
 // Writes the state of step meta["step"] into DIR (created if needed), atomically.
@@ -49,8 +51,8 @@ class SavedState {
 // does not name. Returns how many files it removed.
 int remove_stale_state_files(const std::filesystem::path& dir);
 
-// sha256 as lowercase hex: of bytes, and over the bytes of all parameters of a module, in order.
-std::string sha256_hex(const void* data, size_t size);
+// sha256 as lowercase hex over the bytes of all parameters of a module, in order (of any bytes:
+// memfit/digest.h).
 std::string weights_sha256(const torch::nn::Module& module);
 
 }  // namespace memfit

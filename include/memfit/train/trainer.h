@@ -63,6 +63,9 @@ struct TrainOptions {
   // world_size > 1: this process is one rank of data-parallel training over the global
   // `batch` (see distributed.h); rank 0 alone writes the log, the report and saved state.
   DistributedOptions distributed;
+  // Where the planner's measurements are kept between runs (plan/profile_cache.h); dir "": not
+  // kept (the CLI's default: default_profile_cache_dir()). replan: measure even when kept.
+  ProfileCacheOptions profile_cache;
   std::string dump_weights;         // testing: all parameters as raw float32, in order (rank 0)
 };
 
@@ -83,7 +86,12 @@ struct TrainSummary {
   int64_t peak_bytes = 0;           // tracker peak over this run's training steps
   int64_t budget_bytes = 0;
   int64_t oom_recoveries = 0;
+  int64_t skipped_steps = 0;        // optimizer steps the loss scaler skipped (inf/NaN gradients)
+  int64_t skipped_updates = 0;      // 8-bit state: parameter updates skipped for a non-finite
+                                    // gradient (all ranks; optimizer_8bit.h)
   std::string weights_sha256;
+  double planning_seconds = 0;      // profiling (or reading the cache) and the search
+  bool profile_cached = false;      // the profile came from the cache
   Plan plan;                        // what ran (after any re-plan)
   std::vector<double> losses;       // per step of this run
   int world_size = 1;
