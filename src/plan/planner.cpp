@@ -101,13 +101,14 @@ int64_t Planner::optimizer_peak(const OptimizerCost& optimizer) const {
          profile_.batch_bytes + request_.extra_bytes + request_.resident_bytes;
 }
 
-double Planner::step_seconds(int64_t m, const PrecisionProfile& p, const std::vector<std::pair<int, int>>& segments) const {
+double Planner::step_seconds(int64_t m, const PrecisionProfile& p, const std::vector<std::pair<int, int>>& segments,
+                             const OptimizerCost& optimizer) const {
   const int64_t B = profile_.batch;
   const int64_t full = B / m, rest = B % m;
-  // (Seconds do not depend on the optimizer's bytes.)
+  // (The chain's seconds do not depend on the optimizer's bytes.)
   double seconds = static_cast<double>(full) * evaluate_schedule(costs_at(m, p, request_.optimizer), segments).seconds;
   if (rest > 0) seconds += evaluate_schedule(costs_at(rest, p, request_.optimizer), segments).seconds;
-  return seconds;
+  return seconds + optimizer.seconds;
 }
 
 Schedule Planner::uniform(int64_t m, int segments) const {
@@ -127,7 +128,7 @@ Plan Planner::prediction_base(int64_t budget) const {
   p.config.precision = p.baseline_precision;
   const Schedule plain = evaluate_schedule(costs_at(profile_.batch), {});
   p.plain_predicted_peak = std::max(plain.peak_bytes, optimizer_peak(request_.optimizer));
-  p.plain_predicted_seconds = plain.seconds;
+  p.plain_predicted_seconds = plain.seconds + request_.optimizer.seconds;
   p.floor_bytes = floor_bytes();
   p.checkpoint_pinned = request_.checkpoint.has_value();
   return p;
@@ -146,7 +147,7 @@ Plan Planner::evaluate(int64_t m, Precision precision, const CheckpointPlan& che
   p.config.optimizer = request_.step.optimizer.with_state(optimizer.state);
   p.predicted_peak = std::max(evaluate_schedule(costs_at(m, pp, optimizer), checkpoint.segments).peak_bytes,
                               optimizer_peak(optimizer));
-  p.predicted_seconds = step_seconds(m, pp, checkpoint.segments);
+  p.predicted_seconds = step_seconds(m, pp, checkpoint.segments, optimizer);
   const auto usable = static_cast<int64_t>(static_cast<double>(budget) * (1.0 - request_.margin));
   p.feasible = p.predicted_peak <= usable;
   return p;
@@ -186,7 +187,7 @@ Plan Planner::best_plan_of(const PrecisionProfile& pp, const OptimizerCost& opti
     const ChainCosts costs = costs_at(m, pp, optimizer);
     const Schedule s = request_.checkpoint ? evaluate_schedule(costs, request_.checkpoint->segments) : solve_schedule(costs, usable);
     if (!s.feasible || s.peak_bytes > usable) continue;
-    const double seconds = step_seconds(m, pp, s.segments);
+    const double seconds = step_seconds(m, pp, s.segments, optimizer);
     if (best.feasible && seconds >= 0.99 * best.predicted_seconds) continue;
     best.feasible = true;
     best.config.micro_batch = m;
@@ -233,12 +234,6 @@ Plan Planner::best_plan_with(const OptimizerCost& optimizer, int64_t usable) con
   return p;
 }
 
-namespace {
-// What a step costs when the state precision is the choice: forward + backward and the
-// optimizer step (8-bit state costs more per step than fp32).
-double with_optimizer_seconds(const Plan& p, const OptimizerCost& c) { return p.predicted_seconds + c.seconds; }
-}  // namespace
-
 void Planner::explain_state_choice(Plan& p, const std::vector<Plan>& best_with, int64_t budget) const {
   const auto candidates = optimizer_candidates();
   if (candidates.size() < 2) return;
@@ -252,7 +247,7 @@ void Planner::explain_state_choice(Plan& p, const std::vector<Plan>& best_with, 
       const std::string name = state_precision_name(candidates[i]->state);
       char buf[200];
       std::snprintf(buf, sizeof buf, "optimizer state %s kept: %s state's best plan is predicted %.2fx the time", state.c_str(),
-                    name.c_str(), with_optimizer_seconds(b, *candidates[i]) / with_optimizer_seconds(p, chosen));
+                    name.c_str(), b.predicted_seconds / p.predicted_seconds);
       p.notes.push_back(b.feasible ? buf : "optimizer state " + state + " kept: no " + name + " plan fits either");
     }
     return;
@@ -263,7 +258,7 @@ void Planner::explain_state_choice(Plan& p, const std::vector<Plan>& best_with, 
   }
   char buf[200];
   std::snprintf(buf, sizeof buf, "optimizer state %s chosen: its best plan is predicted %.2fx the time of %s state's, optimizer step included",
-                state.c_str(), with_optimizer_seconds(p, chosen) / with_optimizer_seconds(best_with.front(), base), base_name.c_str());
+                state.c_str(), p.predicted_seconds / best_with.front().predicted_seconds, base_name.c_str());
   p.notes.push_back(buf + bytes + " (pass --optimizer-state fp32 to forbid it)");
 }
 
@@ -280,8 +275,7 @@ Plan Planner::plan(int64_t budget) const {
   for (size_t i = 0; i < candidates.size(); ++i) {
     best_with.push_back(best_plan_with(*candidates[i], usable));
     if (!best_with[i].feasible) continue;
-    if (chosen == candidates.size() || with_optimizer_seconds(best_with[i], *candidates[i]) <
-                                           0.99 * with_optimizer_seconds(best_with[chosen], *candidates[chosen])) {
+    if (chosen == candidates.size() || best_with[i].predicted_seconds < 0.99 * best_with[chosen].predicted_seconds) {
       chosen = i;
     }
   }

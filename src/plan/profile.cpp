@@ -69,10 +69,11 @@ void time_whole_chain(Workload& w, const Batch& batch, MemoryTracker& tracker, P
     // The whole batch too, for the time line above b (where micro-batching is decided), but
     // with every block recomputed, so that profiling needs little more memory than the
     // smallest plan. The same run at b, against the plain one there, says what recomputing
-    // costs; that ratio takes it out again.
+    // costs; that ratio takes it out again. One run each: the chain is warm by now, and these
+    // two runs are the costliest part of profiling.
     run.options.config.checkpoint = CheckpointPlan::all(w.chain->size());
-    const double all_large = run.best_of_two(b);
-    const double all_full = run.best_of_two(B);
+    const double all_large = run(b);
+    const double all_full = run(B);
     pp.chain_seconds_full = all_large > 0 ? all_full * pp.chain_seconds_large / all_large : all_full;
   }
   const int64_t predicted = evaluate_schedule(block_costs_at(pp, b), {}).peak_bytes;
@@ -173,7 +174,8 @@ WorkloadProfile profile_workload(Workload& w, const Batch& batch, const std::vec
     PrecisionProfile pp;
     pp.precision = precision;
     try {
-      profile_chain(w, batch, a, precision, tracker);  // first-touch costs out of the way
+      // (No warm-up pass: each block runs twice at each size and the faster run counts, so the
+      // first run takes the first-touch costs.)
       pp.small = profile_chain(w, batch, a, precision, tracker);
       pp.large = b > a ? profile_chain(w, batch, b, precision, tracker) : pp.small;
     } catch (const c10::OutOfMemoryError&) {

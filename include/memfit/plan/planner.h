@@ -56,7 +56,7 @@ struct Plan {
   StepConfig config;                // what runs (valid when feasible)
   bool checkpoint_pinned = false;   // the schedule was given, not solved
   int64_t predicted_peak = 0;
-  double predicted_seconds = 0;     // forward + backward of one optimizer step
+  double predicted_seconds = 0;     // one whole step: every micro-batch's forward + backward, then the optimizer
   Precision baseline_precision = Precision::kFP32;  // the plain step's (the first profiled)
   int64_t plain_predicted_peak = 0; // whole batch, nothing recomputed, baseline precision
   double plain_predicted_seconds = 0;
@@ -102,8 +102,10 @@ class Planner {
   Plan best_plan_with(const OptimizerCost& optimizer, int64_t usable) const;
   void explain_choice(Plan& chosen, const std::vector<Plan>& best_of) const;
   void explain_state_choice(Plan& chosen, const std::vector<Plan>& best_with, int64_t budget) const;
-  // Seconds of one optimizer step's forward + backward when `segments` run at micro-batch m.
-  double step_seconds(int64_t m, const PrecisionProfile& p, const std::vector<std::pair<int, int>>& segments) const;
+  // Seconds of one whole step: forward + backward of every micro-batch with `segments` recomputed at
+  // micro-batch m, then the optimizer's step (measured: 8-bit state costs more than fp32).
+  double step_seconds(int64_t m, const PrecisionProfile& p, const std::vector<std::pair<int, int>>& segments,
+                      const OptimizerCost& optimizer) const;
 
   WorkloadProfile profile_;
   PlanRequest request_;

@@ -1,0 +1,75 @@
+#!/usr/bin/env python3
+"""The planner's step-time model against measured steps (issue 16): for each shape, precision
+and budget, `memfit plan --json` predicts one whole step (forward + backward of every
+micro-batch, then the optimizer) and verifies the plan with real steps; the error is
+|predicted - measured| / measured. Goal: within 10% for fp32 and bf16 plans.
+
+    source bench/quiet_env.sh && python3 bench/time_model.py [--memfit build/memfit] [--threads N]
+
+Budgets are shares of each shape's plain step as predicted (100%: nothing recomputed; lower
+ones make the plan micro-batch and recompute). Each shape is profiled once (the profile cache,
+in a temporary directory) and every budget planned from that one profile.
+"""
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+
+SHAPES = {
+    "gpt-default": ["--model", "gpt"],
+    "gpt-6x192": ["--model", "gpt", "--layers", "6", "--d-model", "192", "--heads", "6", "--seq", "96", "--batch", "24"],
+    "gpt-4x128": ["--model", "gpt", "--layers", "4", "--d-model", "128", "--heads", "4", "--seq", "64", "--batch", "32"],
+    "cnn": ["--model", "cnn", "--batch", "64"],
+}
+
+
+def plan(memfit, shape, precision, budget, cache, threads, verify=True):
+    cmd = [memfit, "plan", *shape, "--precision", precision, "--budget", str(budget), "--json",
+           "--profile-cache", cache, "--threads", str(threads)]
+    if not verify:
+        cmd.append("--no-verify")
+    out = subprocess.run(cmd, capture_output=True, text=True)
+    if out.returncode not in (0, 1):
+        sys.exit(f"time_model: {' '.join(cmd)} failed: {out.stderr.strip()}")
+    return json.loads(out.stdout)
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--memfit", default="build/memfit")
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--shapes", default=",".join(SHAPES))
+    ap.add_argument("--precisions", default="fp32,bf16")
+    ap.add_argument("--shares", default="100,60,35")
+    a = ap.parse_args()
+    print("command: python3 bench/time_model.py " + " ".join(sys.argv[1:]))
+    print(f"{os.cpu_count()} cores, {a.threads} threads\n")
+    print("| shape | precision | budget (share of plain) | plan | predicted s | measured s | error |")
+    print("|---|---|---|---|---:|---:|---:|")
+    worst = {}
+    with tempfile.TemporaryDirectory() as cache:
+        for name in a.shapes.split(","):
+            for precision in a.precisions.split(","):
+                first = plan(a.memfit, SHAPES[name], precision, 1 << 40, cache, a.threads, verify=False)
+                plain = first["plain"]["predicted_peak_bytes"]
+                for share in (int(s) for s in a.shares.split(",")):
+                    budget = plain * share // 100 if share < 100 else 1 << 40
+                    p = plan(a.memfit, SHAPES[name], precision, budget, cache, a.threads)
+                    if not p["feasible"] or "measured" not in p:
+                        print(f"| {name} | {precision} | {share}% | does not fit | | | |")
+                        continue
+                    c = p["config"]
+                    what = f"{c['micro_batch']} x {c['accumulation']}, {len(c['recomputed_blocks'])} recomputed"
+                    predicted, measured = p["predicted"]["seconds"], p["measured"]["step_seconds"]
+                    error = abs(predicted - measured) / measured
+                    worst[precision] = max(worst.get(precision, 0), error)
+                    print(f"| {name} | {precision} | {share}% | {what} | {predicted:.4f} | {measured:.4f} | {100 * error:.1f}% |")
+    print()
+    for precision, error in worst.items():
+        print(f"worst error, {precision}: {100 * error:.1f}% (goal <= 10%)")
+
+
+if __name__ == "__main__":
+    main()
