@@ -82,76 +82,92 @@ void time_whole_chain(Workload& w, const Batch& batch, MemoryTracker& tracker, P
 
 }  // namespace
 
+namespace {
+
+// One block of a profiled chain: what it costs, the next block's input, and whether this
+// block kept its own input for backward (then the previous block's output stays alive).
+struct BlockRun {
+  BlockCost cost;
+  at::Tensor next_input;
+  bool kept_input = false;
+};
+
+// Block i alone on input x (detached): its forward without grad (as inside a checkpointed
+// segment), then twice forward + backward with grad; bytes are the same each run, the faster
+// time counts. The last block carries the loss.
+BlockRun run_block(Workload& w, int i, const at::Tensor& x, const at::Tensor& target, Precision precision,
+                   MemoryTracker& tracker) {
+  Chain& chain = *w.chain;
+  const Block& block = chain.block(i);
+  const bool last = i == chain.size() - 1;
+  const auto device = x.device().type();
+  BlockRun r;
+  BlockCost& c = r.cost;
+  const auto block_params = block.module->parameters();
+  for (const auto& p : block_params) c.param_bytes += static_cast<int64_t>(p.storage().nbytes());
+  if (precision != Precision::kFP32) {
+    const int64_t element = static_cast<int64_t>(c10::elementSize(precision_dtype(precision)));
+    for (const auto& p : autocast_cast_parameters(*block.module)) c.cast_bytes += p.numel() * element;
+  }
+  at::Tensor xi = x.is_floating_point() ? x.detach().requires_grad_(true) : x;
+  {
+    at::NoGradGuard no_grad;
+    Autocast autocast(device, precision);
+    const int64_t live0 = tracker.current();
+    tracker.reset_peak();
+    at::Tensor y = block.forward(xi);
+    c.forward_nograd_peak = tracker.peak() - live0;
+  }
+  c.forward_seconds = c.backward_seconds = 1e30;
+  for (int run = 0; run < 2; ++run) {
+    const auto uses = xi.use_count();
+    const auto storage_uses = xi.storage().use_count();
+    const int64_t live0 = tracker.current();
+    tracker.reset_peak();
+    auto t0 = Clock::now();
+    at::Tensor y, out;
+    {
+      Autocast autocast(device, precision);
+      y = block.forward(xi);
+      out = last ? w.loss(y, target) : y;
+    }
+    c.forward_seconds = std::min(c.forward_seconds, seconds_since(t0));
+    c.forward_peak = tracker.peak() - live0;
+    if (run == 0) r.kept_input = xi.use_count() > uses || xi.storage().use_count() > storage_uses;
+    if (!last) r.next_input = y.detach();
+    y = at::Tensor();
+    c.output_bytes = static_cast<int64_t>(out.storage().nbytes());
+    c.kept_bytes = tracker.current() - live0 - c.output_bytes;  // internal: without the output
+    at::Tensor g = at::ones_like(out);
+    const int64_t live1 = tracker.current();
+    tracker.reset_peak();
+    t0 = Clock::now();
+    out.backward(g);
+    c.backward_seconds = std::min(c.backward_seconds, seconds_since(t0));
+    c.backward_peak = tracker.peak() - live1;
+    out = at::Tensor();
+    g = at::Tensor();
+    zero_grad(block_params, true);
+    if (xi.requires_grad()) xi.mutable_grad().reset();
+  }
+  c.output_kept = last;  // the loss lives until backward; others: known when the next block runs
+  return r;
+}
+
+}  // namespace
+
 ChainProfile profile_chain(Workload& w, const Batch& batch, int64_t m, Precision precision, MemoryTracker& tracker) {
   ChainProfile prof;
   prof.micro_batch = m;
   const Batch part = batch.slice(0, m);
-  Chain& chain = *w.chain;
-  const int n = chain.size();
-  const auto device = part.input.device().type();
-  at::Tensor x = part.input;
   // Dropout draws must not disturb the caller's random stream.
   const RngState rng = capture_rng(part.input.device());
-  for (int i = 0; i < n; ++i) {
-    BlockCost c;
-    const auto block_params = chain.block(i).module->parameters();
-    for (const auto& p : block_params) c.param_bytes += static_cast<int64_t>(p.storage().nbytes());
-    if (precision != Precision::kFP32) {
-      const int64_t element = static_cast<int64_t>(c10::elementSize(precision_dtype(precision)));
-      for (const auto& p : autocast_cast_parameters(*chain.block(i).module)) c.cast_bytes += p.numel() * element;
-    }
-    const bool last = i == n - 1;
-    at::Tensor xi = x.is_floating_point() ? x.detach().requires_grad_(true) : x;
-
-    {  // inside a checkpointed segment: no grad
-      at::NoGradGuard no_grad;
-      Autocast autocast(device, precision);
-      const int64_t live0 = tracker.current();
-      tracker.reset_peak();
-      at::Tensor y = chain.block(i).forward(xi);
-      c.forward_nograd_peak = tracker.peak() - live0;
-    }
-    at::Tensor next_input;
-    c.forward_seconds = c.backward_seconds = 1e30;
-    for (int run = 0; run < 2; ++run) {  // bytes are the same each run; the faster time counts
-      const auto uses = xi.use_count();
-      const auto storage_uses = xi.storage().use_count();
-      const int64_t live0 = tracker.current();
-      tracker.reset_peak();
-      auto t0 = Clock::now();
-      at::Tensor y, out;
-      {
-        Autocast autocast(device, precision);
-        y = chain.block(i).forward(xi);
-        out = last ? w.loss(y, part.target) : y;  // the last block carries the loss
-      }
-      c.forward_seconds = std::min(c.forward_seconds, seconds_since(t0));
-      c.forward_peak = tracker.peak() - live0;
-      if (i > 0 && run == 0) {
-        // Did this block keep its input for backward? Then the previous output stays alive.
-        prof.blocks.back().output_kept = xi.use_count() > uses || xi.storage().use_count() > storage_uses;
-      }
-      if (!last) next_input = y.detach();
-      y = at::Tensor();
-      c.output_bytes = static_cast<int64_t>(out.storage().nbytes());
-      c.kept_bytes = tracker.current() - live0 - c.output_bytes;  // internal: without the output
-      at::Tensor g = at::ones_like(out);
-      const int64_t live1 = tracker.current();
-      tracker.reset_peak();
-      t0 = Clock::now();
-      out.backward(g);
-      c.backward_seconds = std::min(c.backward_seconds, seconds_since(t0));
-      c.backward_peak = tracker.peak() - live1;
-      out = at::Tensor();
-      g = at::Tensor();
-      zero_grad(block_params, true);
-      if (xi.requires_grad()) xi.mutable_grad().reset();
-    }
-    if (last) {
-      c.output_kept = true;  // the loss lives until backward
-    }
-    prof.blocks.push_back(c);
-    x = next_input;
+  at::Tensor x = part.input;
+  for (int i = 0; i < w.chain->size(); ++i) {
+    BlockRun r = run_block(w, i, x, part.target, precision, tracker);
+    if (i > 0) prof.blocks.back().output_kept = r.kept_input;
+    prof.blocks.push_back(r.cost);
+    x = r.next_input;
   }
   for (auto& c : prof.blocks) {
     if (c.output_kept) c.kept_bytes += c.output_bytes;
