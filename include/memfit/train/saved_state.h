@@ -17,6 +17,7 @@
 #include <torch/serialize/input-archive.h>
 
 #include <filesystem>
+#include <functional>
 #include <memory>
 #include <string>
 
@@ -52,5 +53,9 @@ int remove_stale_state_files(const std::filesystem::path& dir);
 // sha256 as lowercase hex: of bytes, and over the bytes of all parameters of a module, in order.
 std::string sha256_hex(const void* data, size_t size);
 std::string weights_sha256(const torch::nn::Module& module);
+// The same hash over the parameters `visit_all` passes to its visitor, in order (ZeRO 3
+// gathers them one block at a time).
+using ParameterVisitor = std::function<void(const at::Tensor&)>;
+std::string weights_sha256(const std::function<void(const ParameterVisitor&)>& visit_all);
 
 }  // namespace memfit
