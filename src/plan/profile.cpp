@@ -93,7 +93,9 @@ ChainProfile profile_chain(Workload& w, const Batch& batch, int64_t m, Precision
   for (int i = 0; i < n; ++i) {
     BlockCost c;
     const auto block_params = chain.block(i).module->parameters();
-    for (const auto& p : block_params) c.param_bytes += static_cast<int64_t>(p.storage().nbytes());
+    // The parameter's own bytes, not its storage's: at ZeRO 3 a block's parameters are views
+    // of one flat buffer.
+    for (const auto& p : block_params) c.param_bytes += static_cast<int64_t>(p.nbytes());
     if (precision != Precision::kFP32) {
       const int64_t element = static_cast<int64_t>(c10::elementSize(precision_dtype(precision)));
       for (const auto& p : autocast_cast_parameters(*chain.block(i).module)) c.cast_bytes += p.numel() * element;
