@@ -584,43 +584,54 @@ void ShardedDataParallel::release(BlockShard& b) {
   }
 }
 
-// Each owner's range [r*s, (r+1)*s) of the flat layout is reduced to it piece by piece, a
-// piece being the part of one parameter's gradient inside the range: no flat copy of the
-// gradients is made. The owner's pieces then form its shard's gradient.
+// Each owner's range [r*s, (r+1)*s) of the flat layout is summed along a chain in rank order,
+// 0 -> 1 -> ... -> N-1, then sent to its owner: ((g0 + g1) + g2) + ..., the order in which one
+// process accumulates the ranks' micro-batches, so the sums are bit-equal to single-process
+// training for any world size (Gloo's reduce sums in an order of its own; it has no
+// reduce_scatter). c10d point-to-point sends, one range at a time on every rank.
 at::Tensor ShardedDataParallel::reduce_to_shard(BlockShard& b, std::vector<at::Tensor> full_grads) {
   at::NoGradGuard no_grad;
   const int64_t s = b.shard_numel;
   std::vector<at::Tensor> flat_grads;
   for (size_t i = 0; i < b.params.size(); ++i) {
-    const int64_t numel = c10::multiply_integers(b.shapes[i]);
     const at::Tensor& g = full_grads[i];
-    flat_grads.push_back(g.defined() ? g.contiguous().view({-1}) : at::zeros({numel}, b.shard.options()));  // all take part
+    const int64_t numel = c10::multiply_integers(b.shapes[i]);
+    flat_grads.push_back(g.defined() ? g.reshape({-1}) : at::zeros({numel}, b.shard.options()));  // all take part
   }
   full_grads.clear();
-  auto pieces_of = [&](int r, const std::function<void(size_t, int64_t, int64_t)>& piece) {
+  at::Tensor shard_grad = at::zeros({s}, b.shard.options());  // the padding's gradient stays zero
+  // Piece by piece (a piece: the part of one parameter's gradient inside a range), so that
+  // nothing beyond one piece is allocated.
+  for (int r = 0; r < world_size(); ++r) {
     for (size_t i = 0; i < b.params.size(); ++i) {
       const int64_t lo = std::max(b.offsets[i], r * s);
       const int64_t hi = std::min(b.offsets[i] + flat_grads[i].numel(), (r + 1) * s);
-      if (lo < hi) piece(i, lo, hi);
+      if (lo >= hi) continue;
+      const at::Tensor sum = sum_in_rank_order(flat_grads[i].narrow(0, lo - b.offsets[i], hi - lo), r);
+      if (rank() == r) shard_grad.narrow(0, lo - r * s, hi - lo).copy_(sum);
     }
-  };
-  auto& impl = *context_.impl_;
-  const char* what = "reducing a block's gradients to their owners (ZeRO 3)";
-  std::vector<c10::intrusive_ptr<c10d::Work>> works;
-  for (int r = 0; r < world_size(); ++r) {
-    pieces_of(r, [&](size_t i, int64_t lo, int64_t hi) {
-      std::vector<at::Tensor> t{flat_grads[i].narrow(0, lo - b.offsets[i], hi - lo)};
-      c10d::ReduceOptions opts;
-      opts.rootRank = r;
-      works.push_back(impl.issue(what, [&] { return impl.group->reduce(t, opts); }));
-    });
   }
-  impl.wait(works, what);
-  at::Tensor shard_grad = at::zeros({s}, b.shard.options());
-  pieces_of(rank(), [&](size_t i, int64_t lo, int64_t hi) {
-    shard_grad.narrow(0, lo - rank() * s, hi - lo).copy_(flat_grads[i].narrow(0, lo - b.offsets[i], hi - lo));
-  });
   return shard_grad;
+}
+
+// One piece's chain: this rank adds its part to the sum of the ranks before it and passes
+// it on; the owner gets the total (on other ranks the result is meaningless).
+at::Tensor ShardedDataParallel::sum_in_rank_order(at::Tensor mine, int owner) {
+  const char* what = "summing a block's gradients for their owner (ZeRO 3)";
+  const int last = world_size() - 1;
+  at::Tensor sum = mine;
+  if (rank() > 0) {
+    sum = at::empty_like(mine);
+    context_.receive(sum, rank() - 1, what);
+    sum.add_(mine);
+  }
+  if (rank() < last) {
+    context_.send(sum, rank() + 1, what);
+  } else if (owner != last) {
+    context_.send(sum, owner, what);
+  }
+  if (rank() == owner && owner != last) context_.receive(sum, last, what);
+  return sum;
 }
 
 at::Tensor ShardedDataParallel::run_block(int index, const at::Tensor& x, const BlockFn& run) {

@@ -19,8 +19,10 @@
 //            the chain's parameters hold no storage. The chain runs each block through
 //            checkpoint_gathered (techniques/checkpoint.h): its parameters are gathered (one
 //            c10d broadcast per owner) before its forward and again before its recompute and
-//            backward, released after each, and its full gradients reduced piece by piece to
-//            the owners (c10d reduce: Gloo has no reduce_scatter) as soon as its backward ends.
+//            backward, released after each, and as soon as its backward ends its full
+//            gradients are summed for their owners, range by range, along a chain of c10d
+//            sends in rank order (Gloo has no reduce_scatter, and its reduce sums in an order
+//            of its own): the sums, so the weights, equal single-process training bit for bit.
 //            At most one block is gathered at a time (no prefetch). Construct it from the
 //            Chain; optimized_parameters() are the shards.
 //
@@ -204,6 +206,7 @@ class ShardedDataParallel {
   void gather(BlockShard& b);
   void release(BlockShard& b);
   at::Tensor reduce_to_shard(BlockShard& b, std::vector<at::Tensor> full_grads);
+  at::Tensor sum_in_rank_order(at::Tensor mine, int owner);
   at::Tensor run_block(int index, const at::Tensor& x, const BlockFn& run);
 
   void send_param_state(torch::optim::Optimizer& sharded, const compat::OptimizerStateKey& key, size_t slots, const char* what);
