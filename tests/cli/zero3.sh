@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # memfit train at ZeRO 3 on loopback (c10d/Gloo): 2 and 4 ranks give the weights of
-# single-process training bit for bit (gradients are summed in rank order); each rank holds ~1/N of the weights, gradients and
-# AdamW state (tracker bytes) and peaks within 5% of its plan; a model whose single-process
-# floor exceeds a budget B trains on 2 ranks under B; saving at stage 3 is refused in one line.
+# single-process training bit for bit (gradients are summed in rank order); each rank holds
+# ~1/N of the weights, gradients and AdamW state (tracker bytes) and peaks within 5% of its
+# plan; a model whose single-process floor exceeds a budget B trains on 2 ranks under B; a
+# killed rank ends the other within --dist-timeout; saving at stage 3 is refused in one line.
 set -u
 memfit=$(realpath "$1")
 dir=$(mktemp -d)
@@ -117,7 +118,32 @@ for r, p in sorted(peaks.items()):
 PY
 fi
 
-# 5. Not yet at stage 3: saving and resuming, refused in one line before any work.
+# 5. A rank killed mid-run at stage 3: the other exits non-zero with one clear line, within
+#    --dist-timeout (its gathers and gradient sums fail).
+port=$(py <<'PY'
+import socket
+s = socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1]); s.close()
+PY
+)
+long=("${small[@]}" "${pinned[@]}" --steps 100000 --zero 3 --threads 1 --world-size 2 --master 127.0.0.1:$port --dist-timeout 10)
+"$memfit" train "${long[@]}" --rank 0 > kill0.out 2>&1 & r0=$!
+"$memfit" train "${long[@]}" --rank 1 > kill1.out 2>&1 & r1=$!
+disown $r1  # (its death by SIGKILL is the point: no job-control message)
+for ((i = 0; i < 600; i++)); do grep -q "Plan for a budget" kill1.out 2>/dev/null && break; sleep 0.1; done
+sleep 1
+kill -9 $r1; t0=$(date +%s.%N)
+wait $r0; rc=$?; t1=$(date +%s.%N)
+secs=$(py "$t0" "$t1" <<'PY'
+import sys; print(f"{float(sys.argv[2]) - float(sys.argv[1]):.2f}")
+PY
+)
+echo "  stage 3: rank 0 exited $secs s after rank 1 was killed (rc $rc): $(tail -1 kill0.out)"
+[ $rc -ne 0 ] && tail -1 kill0.out | grep -q "^memfit: rank 0: .* failed" && py "$secs" <<'PY' && ok || bad "stage 3 rank 0 after a killed peer: rc=$rc after $secs s: $(tail -2 kill0.out)"
+import sys; assert float(sys.argv[1]) < 20
+PY
+kill -9 $r0 2>/dev/null
+
+# 6. Not yet at stage 3: saving and resuming, refused in one line before any work.
 err=$("$memfit" train "${small[@]}" "${pinned[@]}" --world-size 2 --zero 3 --save st 2>&1 >/dev/null); rc=$?
 [ $rc -ne 0 ] && [ "$(printf '%s' "$err" | grep -c '')" -eq 1 ] && [[ "$err" == *"saving at ZeRO 3 is not implemented yet"* ]] && ok \
   || bad "--save at stage 3: rc=$rc $err"
