@@ -24,6 +24,13 @@ py() { "${MEMFIT_TEST_PYTHON:-/usr/bin/python3}" - "$@"; }
   --dump-weights single.bin > single.out 2>&1 || bad "single-process run failed: $(tail -3 single.out)"
 "$memfit" launch --nproc 2 -- train "${base[@]}" "${pinned[@]}" --steps 10 --micro-batch 4 --zero 3 --json-log z3.jsonl \
   --dump-weights z3.bin --report z3.html > z3.out 2>&1 || bad "stage 3 run failed: $(tail -5 z3.out)"
+# bf16 autocast: each block's weight casts are made while it is gathered (the cast cache
+# is cleared around gathers), the same values as one process's cached casts.
+bf16=("${small[@]}" --checkpoint all --precision bf16 --budget 64MiB --steps 3 --micro-batch 4)
+"$memfit" train "${bf16[@]}" --threads 1 --dump-weights single_bf16.bin > single_bf16.out 2>&1 \
+  || bad "single-process bf16 run failed: $(tail -3 single_bf16.out)"
+"$memfit" launch --nproc 2 -- train "${bf16[@]}" --zero 3 --dump-weights z3_bf16.bin > z3_bf16.out 2>&1 \
+  || bad "stage 3 bf16 run failed: $(tail -5 z3_bf16.out)"
 # 4 ranks (2 samples each), a smaller model and 3 steps: 2 cores run 4 processes.
 tiny=(--layers 1 --d-model 32 --heads 2 --seq 16 --batch 8 --dropout 0 "${quiet[@]}" --report "")
 "$memfit" train "${tiny[@]}" "${pinned[@]}" --steps 3 --micro-batch 2 --threads 1 --dump-weights tiny.bin > tiny.out 2>&1 \
@@ -45,6 +52,7 @@ def compare(ref_path, path, bit_exact):
     assert ref == got or not bit_exact, path
 compare("single.bin", "z3.bin", True)
 compare("tiny.bin", "tiny_z3n4.bin", True)
+compare("single_bf16.bin", "z3_bf16.bin", True)
 PY
 
 # 2. Per rank: weights + gradients + optimizer state ~ single / 2 (tracker bytes at the
