@@ -484,6 +484,92 @@ TEST(DistributedTest, Zero3SgdWithMomentumEqualsOneProcess) {
   expect_zero3_equals_one_process(2, spec, /*bit_exact=*/true);
 }
 
+// Saving at stage 3: rank 0 gathers the whole weights and AdamW state, equal to one
+// process's. Resuming from one process's whole state, every rank gets back exactly the shards
+// of weights and state that stage 3 training had given it.
+TEST(DistributedTest, Zero3GathersTheWholeStateOnRank0AndReshardsIt) {
+  constexpr int kSteps = 3;
+  OptimizerSpec spec;
+  spec.lr = 0.05;
+  // The reference first: one process, the ranks' slices as micro-batches.
+  auto reference_chain = make_zero3_chain();
+  const auto reference_params = reference_chain->parameters();
+  auto reference = make_optimizer(spec, reference_params);
+  for (int step = 0; step < kSteps; ++step) {
+    const Batch batch = zero3_batch(step);
+    for (int r = 0; r < 2; ++r) {
+      const BatchSlice s = rank_slice(batch.size(), r, 2);
+      zero3_micro_batch(*reference_chain, batch.slice(s.start, s.length), batch.size());
+    }
+    reference->step();
+    zero_grad(*reference, true);
+  }
+  const std::string master = "127.0.0.1:" + std::to_string(free_port());
+  std::vector<at::Tensor> gathered_weights, gathered_exp_avg_sq;
+  std::vector<int64_t> gathered_steps;
+  std::vector<int> holds_whole(2, -1), reloaded_equal(2, -1);
+  run_ranks(2, [&](int rank) {
+    DistributedOptions o;
+    o.world_size = 2;
+    o.rank = rank;
+    o.master = master;
+    o.zero_stage = 3;
+    DistributedContext context(o);
+    auto chain = make_zero3_chain();
+    ShardedDataParallel sdp(context, *chain, 3);
+    auto optimizer = make_optimizer(spec, sdp.optimized_parameters());
+    for (int step = 0; step < kSteps; ++step) {
+      const Batch batch = zero3_batch(step);
+      const BatchSlice mine = rank_slice(batch.size(), rank, 2);
+      zero3_micro_batch(*chain, batch.slice(mine.start, mine.length), batch.size());
+      optimizer->step();
+      zero_grad(*optimizer, true);
+    }
+    std::vector<at::Tensor> shards_before = optimizer_state_tensors(*optimizer);
+    for (const auto& p : sdp.optimized_parameters()) shards_before.push_back(p.detach().clone());
+
+    auto full = sdp.gather_full_state(*optimizer, spec);
+    holds_whole[static_cast<size_t>(rank)] = full != nullptr;
+    if (rank == 0) {
+      for (const auto& p : chain->parameters()) {
+        gathered_weights.push_back(p.detach().clone());
+        const auto& s = static_cast<const torch::optim::AdamWParamState&>(*full->state().at(param_state_key(p)));
+        gathered_exp_avg_sq.push_back(s.exp_avg_sq().clone());
+        gathered_steps.push_back(s.step());
+      }
+    }
+    full.reset();
+    sdp.release_gathered_state();
+
+    auto fresh = make_optimizer(spec, sdp.optimized_parameters());
+    const auto params = chain->parameters();
+    sdp.load_full_state(
+        [&](torch::optim::Optimizer& whole) {  // what SavedState::load_into does with a one-process file
+          at::NoGradGuard no_grad;
+          for (size_t i = 0; i < params.size(); ++i) {
+            params[i].detach().copy_(reference_params[i].detach());
+            whole.state()[param_state_key(params[i])] = reference->state().at(param_state_key(reference_params[i]))->clone();
+          }
+        },
+        *fresh, spec);
+    std::vector<at::Tensor> after = optimizer_state_tensors(*fresh);
+    for (const auto& p : sdp.optimized_parameters()) after.push_back(p.detach());
+    bool equal = after.size() == shards_before.size();
+    for (size_t i = 0; equal && i < after.size(); ++i) equal = at::equal(after[i], shards_before[i]);
+    reloaded_equal[static_cast<size_t>(rank)] = equal;
+  });
+  EXPECT_EQ(holds_whole, (std::vector<int>{1, 0})) << "only rank 0 holds the whole state";
+  ASSERT_EQ(gathered_weights.size(), reference_params.size());
+  for (size_t i = 0; i < reference_params.size(); ++i) {
+    EXPECT_TRUE(at::equal(gathered_weights[i], reference_params[i].detach())) << "parameter " << i;
+    const auto& s =
+        static_cast<const torch::optim::AdamWParamState&>(*reference->state().at(param_state_key(reference_params[i])));
+    EXPECT_TRUE(at::equal(gathered_exp_avg_sq[i], s.exp_avg_sq())) << "exp_avg_sq of parameter " << i;
+    EXPECT_EQ(gathered_steps[i], kSteps);
+  }
+  EXPECT_EQ(reloaded_equal, (std::vector<int>{1, 1})) << "each rank's shards of weights and state, reloaded";
+}
+
 TEST(DistributedTest, Zero3PredictedStatesArePaddedShardsOfEachBlock) {
   // Blocks of 10 + 3 and 5 elements over 4 ranks: shards of ceil(13/4) = 4 and ceil(5/4) = 2.
   const std::vector<at::Tensor> params{at::zeros({10}), at::zeros({3}), at::zeros({5})};

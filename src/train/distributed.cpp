@@ -532,13 +532,9 @@ void ShardedDataParallel::shard_blocks() {
       flat_parts.push_back(p.detach().reshape({-1}));
     }
     b.shard_numel = shard_numel(b.numel, n);
-    const int64_t first = std::min<int64_t>(b.numel, rank() * b.shard_numel);
-    const int64_t last = std::min<int64_t>(b.numel, (rank() + 1) * b.shard_numel);
     const at::Tensor flat = at::cat(flat_parts);
     flat_parts.clear();
-    b.shard = at::zeros({b.shard_numel}, flat.options());  // the padding stays zero
-    b.shard.narrow(0, 0, last - first).copy_(flat.narrow(0, first, last - first));
-    b.shard.requires_grad_(true);
+    b.shard = own_range(b, flat).requires_grad_(true);
     total_bytes_ += b.numel * static_cast<int64_t>(flat.element_size());
     owned_bytes_ += static_cast<int64_t>(b.shard.nbytes());
     release(b);
@@ -569,10 +565,22 @@ void ShardedDataParallel::gather(BlockShard& b) {
     works.push_back(impl.issue(what, [&] { return impl.group->broadcast(t, opts); }));
   }
   impl.wait(works, what);
-  // The parameters become views of the flat block: one allocation, freed when all are released.
+  set_views(b, flat);
+}
+
+// One allocation for the block, freed when all its parameters are released.
+void ShardedDataParallel::set_views(BlockShard& b, const at::Tensor& flat) {
   for (size_t i = 0; i < b.params.size(); ++i) {
     b.params[i].set_data(flat.narrow(0, b.offsets[i], c10::multiply_integers(b.shapes[i])).view(b.shapes[i]));
   }
+}
+
+at::Tensor ShardedDataParallel::own_range(const BlockShard& b, const at::Tensor& flat) const {
+  const int64_t first = std::min<int64_t>(b.numel, rank() * b.shard_numel);
+  const int64_t last = std::min<int64_t>(b.numel, (rank() + 1) * b.shard_numel);
+  at::Tensor mine = at::zeros({b.shard_numel}, flat.options());  // the padding stays zero
+  mine.narrow(0, 0, last - first).copy_(flat.narrow(0, first, last - first));
+  return mine;
 }
 
 void ShardedDataParallel::release(BlockShard& b) {
@@ -665,6 +673,84 @@ void ShardedDataParallel::for_each_gathered_block(const std::function<void(const
       throw;
     }
     release(b);
+  }
+}
+
+// Rank 0: every rank's piece of s elements, in rank order (the flat block, padded); the other
+// ranks send theirs and get an undefined tensor.
+at::Tensor ShardedDataParallel::gather_to_rank0(const at::Tensor& piece, int64_t s, const char* what) {
+  if (rank() != 0) {
+    context_.send(piece.contiguous(), 0, what);
+    return at::Tensor();
+  }
+  at::Tensor flat = at::empty({s * world_size()}, piece.options());
+  flat.narrow(0, 0, s).copy_(piece);
+  for (int r = 1; r < world_size(); ++r) context_.receive(flat.narrow(0, r * s, s), r, what);
+  return flat;
+}
+
+std::unique_ptr<torch::optim::Optimizer> ShardedDataParallel::gather_full_state(torch::optim::Optimizer& sharded,
+                                                                                const OptimizerSpec& spec) {
+  TORCH_CHECK(stage_ == 3, "gather_full_state: only at ZeRO stage 3 are the weights sharded");
+  check_option(spec.state != StatePrecision::k8Bit, "optimizer_state", "8bit",
+               "saving at ZeRO 3 needs fp32 state (8-bit blocks would straddle parameters)");
+  at::NoGradGuard no_grad;
+  const char* what = "gathering the weights and optimizer state on rank 0 (ZeRO 3)";
+  std::unique_ptr<torch::optim::Optimizer> full = rank() == 0 ? make_optimizer(spec, parameters_) : nullptr;
+  for (auto& b : shards_) {
+    const at::Tensor weights = gather_to_rank0(b.shard.detach(), b.shard_numel, what);
+    if (rank() == 0) set_views(b, weights);
+    auto it = sharded.state().find(param_state_key(b.shard));
+    if (it == sharded.state().end()) continue;  // not stepped yet: on every rank alike
+    const ParamStateRecord mine = read_param_state(*it->second);
+    std::vector<ParamStateRecord> records(b.params.size(), ParamStateRecord{mine.step, {}});
+    for (const at::Tensor& slot : mine.tensors) {
+      const at::Tensor flat = slot.defined() ? gather_to_rank0(slot, b.shard_numel, what) : at::Tensor();
+      for (size_t i = 0; i < b.params.size(); ++i) {
+        const bool have = flat.defined();
+        records[i].tensors.push_back(have ? flat.narrow(0, b.offsets[i], b.params[i].numel()).view(b.shapes[i]) : at::Tensor());
+      }
+    }
+    if (rank() != 0) continue;
+    for (size_t i = 0; i < b.params.size(); ++i) full->state()[param_state_key(b.params[i])] = make_param_state(spec, records[i]);
+  }
+  return full;
+}
+
+void ShardedDataParallel::release_gathered_state() {
+  TORCH_CHECK(stage_ == 3, "release_gathered_state: only at ZeRO stage 3 are the weights sharded");
+  if (rank() != 0) return;
+  for (auto& b : shards_) release(b);
+}
+
+void ShardedDataParallel::load_full_state(const std::function<void(torch::optim::Optimizer& full)>& load,
+                                          torch::optim::Optimizer& sharded, const OptimizerSpec& spec) {
+  TORCH_CHECK(stage_ == 3, "load_full_state: only at ZeRO stage 3 are the weights sharded");
+  check_option(spec.state != StatePrecision::k8Bit, "optimizer_state", "8bit",
+               "resuming at ZeRO 3 needs fp32 state (8-bit blocks would straddle parameters)");
+  FullWeights gathered(*this);  // the whole parameters to load into
+  auto full = make_optimizer(spec, parameters_);
+  load(*full);
+  at::NoGradGuard no_grad;
+  for (auto& b : shards_) {
+    std::vector<at::Tensor> flat_parts;
+    for (const auto& p : b.params) flat_parts.push_back(p.detach().reshape({-1}));
+    b.shard.detach().copy_(own_range(b, at::cat(flat_parts)));
+    auto first = full->state().find(param_state_key(b.params.front()));
+    if (first == full->state().end()) continue;  // saved before any step
+    ParamStateRecord mine{read_param_state(*first->second).step, {}};
+    std::vector<ParamStateRecord> records;
+    for (const auto& p : b.params) records.push_back(read_param_state(*full->state().at(param_state_key(p))));
+    for (size_t slot = 0; slot < records.front().tensors.size(); ++slot) {
+      if (!records.front().tensors[slot].defined()) {
+        mine.tensors.emplace_back();
+        continue;
+      }
+      std::vector<at::Tensor> parts;
+      for (const auto& r : records) parts.push_back(r.tensors[slot].reshape({-1}));
+      mine.tensors.push_back(own_range(b, at::cat(parts)));
+    }
+    sharded.state()[param_state_key(b.shard)] = make_param_state(spec, mine);
   }
 }
 

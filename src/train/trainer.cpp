@@ -88,10 +88,8 @@ void check_train_options(const TrainOptions& o, const Workload& w) {
   check_option(!(world > 1 && o.distributed.zero_stage > 0 && o.precision == "fp16"), "precision", o.precision,
                "fp16 with ZeRO 1 or 2 is not supported: the loss scaler's overflow check would see one shard only");
   const bool zero3 = world > 1 && o.distributed.zero_stage == 3;
-  check_option(!(zero3 && !o.save_dir.empty()), "save", "'" + o.save_dir + "'",
-               "saving at ZeRO 3 is not implemented yet (train with --zero 2 to save)");
-  check_option(!(zero3 && !o.resume_dir.empty()), "resume", "'" + o.resume_dir + "'",
-               "resuming at ZeRO 3 is not implemented yet (resume with --zero 2)");
+  check_option(!(zero3 && (!o.save_dir.empty() || !o.resume_dir.empty()) && o.optimizer.state == StatePrecision::k8Bit),
+               "optimizer_state", "8bit", "saving and resuming at ZeRO 3 need fp32 state (8-bit blocks would straddle parameters)");
   check_option(!(zero3 && o.checkpoint && o.checkpoint->recomputed_blocks().size() != static_cast<size_t>(w.chain->size())),
                "checkpoint", o.checkpoint ? o.checkpoint->describe() : "", "ZeRO 3 recomputes every block: expected all");
   check_option(o.budget_bytes > 0 || (o.micro_batch == 0 && !o.checkpoint), "budget", "(none)",
@@ -194,7 +192,11 @@ void Trainer::resume() {
                              optimizer_family_name(t.o.optimizer.family));
   }
   resume_state_precision(meta, where);
-  if (t.sharded_optimizer()) {
+  if (t.sharded_weights()) {
+    // The whole model and state are loaded, then each rank keeps its shards of them.
+    t.sdp->load_full_state([&](torch::optim::Optimizer& full) { saved.load_into(*t.w.chain, full, t.o.device); },
+                           *t.optimizer, t.optimizer_spec);
+  } else if (t.sharded_optimizer()) {
     // The file holds the whole state (the single-process format): keep this rank's share.
     auto full = make_optimizer(t.optimizer_spec, t.params);
     saved.load_into(*t.w.chain, *full, t.o.device);
@@ -236,6 +238,8 @@ void Trainer::make_planner() {
   copies.clear();
   request.optimizer = costs.front();
   request.optimizer_alternatives.assign(costs.begin() + 1, costs.end());
+  const bool saves = !t.o.save_dir.empty() || !t.o.resume_dir.empty();
+  if (t.sharded_weights() && saves) request.optimizer_alternatives.clear();  // fp32 state: saving splits it by parameter
   // Per rank: the gradients kept through the optimizer step (only this rank's share at ZeRO
   // stage 2), and, on rank 0 of a sharded run that saves, the whole state gathered to save.
   if (t.sharded_weights()) {
@@ -246,7 +250,11 @@ void Trainer::make_planner() {
     request.gradient_bytes = predicted_rank_states(t.params, t.o.distributed.world_size, t.o.distributed.zero_stage, 0)
                                  .at(static_cast<size_t>(t.o.distributed.rank)).gradients;
   }
-  if (t.sharded_optimizer() && t.primary && !t.o.save_dir.empty()) {
+  if (t.sharded_weights() && t.primary && !t.o.save_dir.empty()) {
+    // Saving at stage 3: rank 0 holds the whole weights and state beside its shards.
+    const double per_byte = static_cast<double>(costs.front().state_bytes) / static_cast<double>(std::max<int64_t>(1, t.sdp->owned_bytes()));
+    request.extra_bytes = t.sdp->parameter_bytes() + std::llround(per_byte * static_cast<double>(t.sdp->parameter_bytes()));
+  } else if (t.sharded_optimizer() && t.primary && !t.o.save_dir.empty()) {
     int64_t owned = 0;
     for (const auto& p : optimized) owned += static_cast<int64_t>(p.nbytes());
     // (With state auto, the larger of the candidate states: a safe bound for either.)
@@ -490,6 +498,10 @@ void Trainer::save(int64_t step) {
                             {"optimizer_state", state_precision_name(t.optimizer_spec.state)},
                             {"plan", plan_json(t.plan)}};
   t.last_saved_step = step;
+  if (t.sharded_weights()) {
+    save_gathered(meta);
+    return;
+  }
   if (t.sharded_optimizer()) {
     // Rank 0 saves the whole state, gathered from its owners: the single-process format.
     auto full = t.sdp->gather_optimizer_state(*t.optimizer, t.optimizer_spec);
@@ -504,6 +516,23 @@ void Trainer::save(int64_t step) {
     t.w.save_model(path + ".tmp");
     std::filesystem::rename(path + ".tmp", path);
   }
+}
+
+void Trainer::save_gathered(const nlohmann::json& meta) {
+  // ZeRO 3: rank 0 gathers the whole weights and state, saves the single-process format (and
+  // the model file), then lets them go.
+  TrainerState& t = *impl_;
+  auto full = t.sdp->gather_full_state(*t.optimizer, t.optimizer_spec);
+  if (t.primary) {
+    save_state(t.o.save_dir, *t.w.chain, *full, meta, t.o.device);
+    if (t.w.save_model) {
+      const std::string path = t.o.save_dir + "/model.pt";
+      t.w.save_model(path + ".tmp");
+      std::filesystem::rename(path + ".tmp", path);
+    }
+  }
+  full.reset();
+  t.sdp->release_gathered_state();
 }
 
 // --- summary -------------------------------------------------------------------------------------

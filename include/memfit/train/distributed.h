@@ -24,7 +24,9 @@
 //            sends in rank order (Gloo has no reduce_scatter, and its reduce sums in an order
 //            of its own): the sums, so the weights, equal single-process training bit for bit.
 //            At most one block is gathered at a time (no prefetch). Construct it from the
-//            Chain; optimized_parameters() are the shards.
+//            Chain; optimized_parameters() are the shards. Saving gathers every shard of the
+//            weights and of the (fp32) optimizer state on rank 0, in the single-process
+//            format; resuming loads the whole state and keeps this rank's shards.
 //
 //   memfit::DistributedContext ctx(options);                  // rendezvous at options.master
 //   memfit::ShardedDataParallel sdp(ctx, chain->parameters(), 2);
@@ -176,6 +178,18 @@ class ShardedDataParallel {
   // Gathers the blocks one at a time, in order, calls `visit` with each block's parameters
   // (full values) and releases them: hashing, dumping. One block's bytes at a time.
   void for_each_gathered_block(const std::function<void(const std::vector<at::Tensor>&)>& visit);
+  // Saving: rank 0 receives every block's shards of the weights, into the chain's
+  // parameters, and of the optimizer state (of `spec`: fp32 state, any family), into the
+  // returned optimizer over those parameters: the single-process format, saved from rank 0;
+  // other ranks get nullptr. Rank 0 holds the whole weights and state until
+  // release_gathered_state() (the trainer plans for those bytes, as for stages 1 and 2).
+  std::unique_ptr<torch::optim::Optimizer> gather_full_state(torch::optim::Optimizer& sharded, const OptimizerSpec& spec);
+  void release_gathered_state();
+  // Resuming: `load` fills whole parameters (the chain's, every block gathered meanwhile) and
+  // a whole optimizer of `spec` over them from a saved file; each rank then keeps its shards of
+  // the weights and of the state (moved into `sharded`) and the rest is released.
+  void load_full_state(const std::function<void(torch::optim::Optimizer& full)>& load, torch::optim::Optimizer& sharded,
+                       const OptimizerSpec& spec);
   // Every block gathered and the chain running plainly, for the life of the scope: profiling
   // the model as a single process would run it (it holds the whole model meanwhile).
   class FullWeights {
@@ -204,6 +218,9 @@ class ShardedDataParallel {
   void shard_blocks();
   void install_runner();  // the chain runs its blocks through run_block
   void gather(BlockShard& b);
+  void set_views(BlockShard& b, const at::Tensor& flat);  // the parameters become views of a flat block
+  at::Tensor own_range(const BlockShard& b, const at::Tensor& flat) const;  // this rank's s elements of a flat block
+  at::Tensor gather_to_rank0(const at::Tensor& piece, int64_t s, const char* what);  // rank 0: all ranks' pieces
   void release(BlockShard& b);
   at::Tensor reduce_to_shard(BlockShard& b, std::vector<at::Tensor> full_grads);
   at::Tensor sum_in_rank_order(at::Tensor mine, int owner);
