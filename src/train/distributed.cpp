@@ -692,7 +692,7 @@ at::Tensor ShardedDataParallel::gather_to_rank0(const at::Tensor& piece, int64_t
 std::unique_ptr<torch::optim::Optimizer> ShardedDataParallel::gather_full_state(torch::optim::Optimizer& sharded,
                                                                                 const OptimizerSpec& spec) {
   TORCH_CHECK(stage_ == 3, "gather_full_state: only at ZeRO stage 3 are the weights sharded");
-  check_option(spec.state != StatePrecision::k8Bit, "optimizer_state", "8bit",
+  check_option(spec.state != StatePrecision::k8Bit, "optimizer.state", "8bit",
                "saving at ZeRO 3 needs fp32 state (8-bit blocks would straddle parameters)");
   at::NoGradGuard no_grad;
   const char* what = "gathering the weights and optimizer state on rank 0 (ZeRO 3)";
@@ -726,7 +726,7 @@ void ShardedDataParallel::release_gathered_state() {
 void ShardedDataParallel::load_full_state(const std::function<void(torch::optim::Optimizer& full)>& load,
                                           torch::optim::Optimizer& sharded, const OptimizerSpec& spec) {
   TORCH_CHECK(stage_ == 3, "load_full_state: only at ZeRO stage 3 are the weights sharded");
-  check_option(spec.state != StatePrecision::k8Bit, "optimizer_state", "8bit",
+  check_option(spec.state != StatePrecision::k8Bit, "optimizer.state", "8bit",
                "resuming at ZeRO 3 needs fp32 state (8-bit blocks would straddle parameters)");
   FullWeights gathered(*this);  // the whole parameters to load into
   auto full = make_optimizer(spec, parameters_);

@@ -89,7 +89,7 @@ void check_train_options(const TrainOptions& o, const Workload& w) {
                "fp16 with ZeRO 1 or 2 is not supported: the loss scaler's overflow check would see one shard only");
   const bool zero3 = world > 1 && o.distributed.zero_stage == 3;
   check_option(!(zero3 && (!o.save_dir.empty() || !o.resume_dir.empty()) && o.optimizer.state == StatePrecision::k8Bit),
-               "optimizer_state", "8bit", "saving and resuming at ZeRO 3 need fp32 state (8-bit blocks would straddle parameters)");
+               "optimizer.state", "8bit", "saving and resuming at ZeRO 3 need fp32 state (8-bit blocks would straddle parameters)");
   check_option(!(zero3 && o.checkpoint && o.checkpoint->recomputed_blocks().size() != static_cast<size_t>(w.chain->size())),
                "checkpoint", o.checkpoint ? o.checkpoint->describe() : "", "ZeRO 3 recomputes every block: expected all");
   check_option(o.budget_bytes > 0 || (o.micro_batch == 0 && !o.checkpoint), "budget", "(none)",

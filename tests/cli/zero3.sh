@@ -174,9 +174,12 @@ sgd=("${four[@]}" --optimizer sgd --momentum 0.9 --lr 0.05)
   || bad "stage 3 SGD resume: $(tail -5 sgd_resume.out)"
 cmp -s sgd_resumed.bin sgd4.bin && ok || bad "stage 3 SGD save + resume differs from 4 straight single-process steps"
 
-# 7. Refused at stage 3, in one line: a schedule other than every block recomputed.
+# 7. Refused at stage 3, in one line: a schedule other than every block recomputed, and 8-bit
+#    state when saving.
 err=$("$memfit" train "${small[@]}" --budget 64MiB --world-size 2 --zero 3 --checkpoint none 2>&1 >/dev/null); rc=$?
 [ $rc -ne 0 ] && [[ "$err" == *"ZeRO 3 recomputes every block: expected all"* ]] && ok || bad "--checkpoint none at stage 3: rc=$rc $err"
+err=$("$memfit" train "${small[@]}" --budget 64MiB --world-size 2 --zero 3 --optimizer-state 8bit --save st8 2>&1 >/dev/null); rc=$?
+[ $rc -ne 0 ] && [[ "$err" == *"saving and resuming at ZeRO 3 need fp32 state"* ]] && ok || bad "8-bit state with --save at stage 3: rc=$rc $err"
 
 echo "cli zero3: $pass passed, $fail failed"
 [ $fail -eq 0 ]
