@@ -570,6 +570,31 @@ TEST(DistributedTest, Zero3GathersTheWholeStateOnRank0AndReshardsIt) {
   EXPECT_EQ(reloaded_equal, (std::vector<int>{1, 1})) << "each rank's shards of weights and state, reloaded";
 }
 
+// Tied weights (one module in two blocks) cannot be sharded per block: one clear error on
+// every rank, before any training.
+TEST(DistributedTest, Zero3RefusesAParameterSharedByTwoBlocks) {
+  const std::string master = "127.0.0.1:" + std::to_string(free_port());
+  std::vector<std::string> errors(2);
+  run_ranks(2, [&](int rank) {
+    DistributedOptions o;
+    o.world_size = 2;
+    o.rank = rank;
+    o.master = master;
+    o.zero_stage = 3;
+    DistributedContext context(o);
+    auto chain = std::make_shared<Chain>();
+    auto shared = torch::nn::Linear(4, 4);
+    chain->add("first", shared.ptr());
+    chain->add("again", shared.ptr());
+    try {
+      ShardedDataParallel sdp(context, *chain, 3);
+    } catch (const OptionError& e) {
+      errors[static_cast<size_t>(rank)] = e.what();
+    }
+  });
+  for (const auto& e : errors) EXPECT_NE(e.find("shares a parameter with another block"), std::string::npos) << e;
+}
+
 TEST(DistributedTest, Zero3PredictedStatesArePaddedShardsOfEachBlock) {
   // Blocks of 10 + 3 and 5 elements over 4 ranks: shards of ceil(13/4) = 4 and ceil(5/4) = 2.
   const std::vector<at::Tensor> params{at::zeros({10}), at::zeros({3}), at::zeros({5})};

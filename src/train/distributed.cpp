@@ -17,6 +17,7 @@
 
 #include <algorithm>
 #include <chrono>
+#include <set>
 #include <cstdlib>
 #include <sstream>
 #include <thread>
@@ -514,6 +515,7 @@ void ShardedDataParallel::shard_blocks() {
   const int n = world_size();
   shard_of_block_.assign(static_cast<size_t>(chain_->size()), -1);
   total_bytes_ = owned_bytes_ = 0;
+  std::set<const void*> seen;  // a parameter shared by two blocks (tied weights) cannot be in two shards
   for (int i = 0; i < chain_->size(); ++i) {
     BlockShard b;
     b.block = i;
@@ -521,6 +523,9 @@ void ShardedDataParallel::shard_blocks() {
     if (b.params.empty()) continue;
     std::vector<at::Tensor> flat_parts;
     for (const auto& p : b.params) {
+      check_option(seen.insert(p.unsafeGetTensorImpl()).second, "zero_stage", 3,
+                   "block " + std::to_string(i) + " (" + chain_->block(i).name +
+                       ") shares a parameter with another block (tied weights): ZeRO 3 gathers one block at a time");
       check_option(p.scalar_type() == b.params.front().scalar_type() && p.device() == b.params.front().device(), "zero_stage", 3,
                    "the parameters of block " + std::to_string(i) + " (" + chain_->block(i).name +
                        ") must share one dtype and device to be sharded flat");
