@@ -2,8 +2,8 @@
 // optimizer state (ZeRO stage 1), the gradients (stage 2) and the weights (stage 3) sharded
 // across ranks.
 //
-// Every rank holds all weights and runs forward + backward on its contiguous slice of the
-// global batch, each micro-batch's loss weighted by its share of the *global* batch; gradients
+// Every rank runs forward + backward on its contiguous slice of the global batch (and, at
+// stages 0-2, holds all weights), each micro-batch's loss weighted by its share of the *global* batch; gradients
 // are SUM-reduced, so the update equals single-process training on the same global batch.
 //
 //   stage 0: gradients all-reduced, every rank runs the optimizer over every parameter;
@@ -29,7 +29,7 @@
 //            format; resuming loads the whole state and keeps this rank's shards.
 //
 //   memfit::DistributedContext ctx(options);                  // rendezvous at options.master
-//   memfit::ShardedDataParallel sdp(ctx, chain->parameters(), 2);
+//   memfit::ShardedDataParallel sdp(ctx, *chain, 2);           // stage 3 likewise, from the chain
 //   auto optimizer = memfit::make_optimizer(spec, sdp.optimized_parameters());  // any family
 //   for (...) { forward_backward(... weight = samples / global batch ...);
 //               sdp.reduce_gradients(); optimizer->step(); sdp.finish_step(set_to_none); }
