@@ -3,8 +3,9 @@
 // across ranks.
 //
 // Every rank runs forward + backward on its contiguous slice of the global batch (and, at
-// stages 0-2, holds all weights), each micro-batch's loss weighted by its share of the *global* batch; gradients
-// are SUM-reduced, so the update equals single-process training on the same global batch.
+// stages 0-2, holds all weights), each micro-batch's loss weighted by its share of the
+// *global* batch; gradients are SUM-reduced, so the update equals single-process training on
+// the same global batch.
 //
 //   stage 0: gradients all-reduced, every rank runs the optimizer over every parameter;
 //   stage 1: gradients all-reduced, rank r runs the optimizer only over the parameters it owns
