@@ -80,8 +80,10 @@ TEST(DistributedTest, BadOptionsAreOneClearLine) {
     EXPECT_EQ(e.value(), "2");
   }
   o.rank = 0;
-  o.zero_stage = 3;
+  o.zero_stage = 4;
   EXPECT_THROW(validate(o), std::invalid_argument);
+  o.zero_stage = 3;
+  EXPECT_NO_THROW(validate(o));
   o.zero_stage = 1;
   for (const char* bad : {"localhost", ":29500", "host:", "host:0", "host:70000", "host:12a"}) {
     o.master = bad;
@@ -90,10 +92,10 @@ TEST(DistributedTest, BadOptionsAreOneClearLine) {
   EXPECT_EQ(parse_master("127.0.0.1:29500"), std::make_pair(std::string("127.0.0.1"), 29500));
 }
 
-// Deterministic parameters and per-rank gradients.
-// Runs `rank_body(rank)` for ranks 0 and 1 on two threads and rethrows the first failure.
-void run_two_ranks(const std::function<void(int)>& rank_body) {
-  std::vector<std::exception_ptr> errors(2);
+// Runs `rank_body(rank)` for ranks 0 to world - 1, each on a thread of its own (rank 0 on
+// this one), and rethrows the first failure.
+void run_ranks(int world, const std::function<void(int)>& rank_body) {
+  std::vector<std::exception_ptr> errors(static_cast<size_t>(world));
   auto run_rank = [&](int rank) {
     try {
       rank_body(rank);
@@ -101,13 +103,18 @@ void run_two_ranks(const std::function<void(int)>& rank_body) {
       errors[static_cast<size_t>(rank)] = std::current_exception();
     }
   };
-  std::thread second(run_rank, 1);
+  std::vector<std::thread> others;
+  for (int r = 1; r < world; ++r) others.emplace_back(run_rank, r);
   run_rank(0);
-  second.join();
+  for (auto& t : others) t.join();
   for (auto& e : errors) {
     if (e) std::rethrow_exception(e);
   }
 }
+
+void run_two_ranks(const std::function<void(int)>& rank_body) { run_ranks(2, rank_body); }
+
+// Deterministic parameters and per-rank gradients.
 
 std::vector<at::Tensor> make_params() {
   std::vector<at::Tensor> params;
@@ -333,6 +340,276 @@ TEST(DistributedTest, UnreachableMasterFailsWithinTheTimeout) {
   RecordProperty("seconds", std::to_string(seconds));
   EXPECT_GT(seconds, 1.0) << "ranks may start before rank 0: they wait for it";
   EXPECT_LT(seconds, 10.0);
+}
+
+// --- ZeRO 3 ---------------------------------------------------------------------------------
+
+// A small chain with a parameterless block and parameter counts that no world size divides:
+// padding and pieces that straddle parameters are exercised. Weights are deterministic.
+std::shared_ptr<Chain> make_zero3_chain() {
+  auto chain = std::make_shared<Chain>();
+  chain->add("fc1", torch::nn::Linear(7, 13).ptr());
+  chain->add("relu", torch::nn::ReLU().ptr());
+  chain->add("fc2", torch::nn::Linear(13, 11).ptr());
+  chain->add("fc3", torch::nn::Linear(11, 3).ptr());
+  at::NoGradGuard no_grad;
+  int i = 0;
+  for (auto& p : chain->parameters()) p.copy_(at::sin(at::linspace(0, 5, p.numel()) * (1.0 + i++)).reshape(p.sizes()) * 0.3);
+  return chain;
+}
+
+Batch zero3_batch(int step) {
+  const at::Tensor x = at::cos(at::linspace(0, 7, 8 * 7) + step).reshape({8, 7});
+  const at::Tensor y = at::sin(at::linspace(0, 3, 8 * 3) * (step + 1)).reshape({8, 3});
+  return {x, y};
+}
+
+double zero3_micro_batch(Chain& chain, const Batch& part, int64_t global_batch) {
+  const at::Tensor loss = at::mse_loss(chain.forward(part.input), part.target) * (static_cast<double>(part.size()) / global_batch);
+  loss.backward();
+  return loss.item<double>();
+}
+
+// Every rank's outcome: the weights gathered after training, and what it held between steps.
+struct Zero3Outcome {
+  std::vector<at::Tensor> weights;
+  int64_t shard_bytes = 0, state_bytes = 0, total_bytes = 0, storage_left_in_chain = 0;
+};
+
+Zero3Outcome train_zero3_rank(int rank, int world, const std::string& master, const OptimizerSpec& spec, int steps) {
+  DistributedOptions o;
+  o.world_size = world;
+  o.rank = rank;
+  o.master = master;
+  o.zero_stage = 3;
+  DistributedContext context(o);
+  auto chain = make_zero3_chain();
+  ShardedDataParallel sdp(context, *chain, 3);
+  auto optimizer = make_optimizer(spec, sdp.optimized_parameters());
+  for (int step = 0; step < steps; ++step) {
+    const Batch batch = zero3_batch(step);
+    const BatchSlice mine = rank_slice(batch.size(), rank, world);
+    zero3_micro_batch(*chain, batch.slice(mine.start, mine.length), batch.size());
+    sdp.reduce_gradients();  // nothing left to do at stage 3: kept to show the loop is unchanged
+    optimizer->step();
+    zero_grad(*optimizer, true);
+    sdp.finish_step(true);
+  }
+  Zero3Outcome out;
+  for (const auto& p : chain->parameters()) out.storage_left_in_chain += p.numel();
+  for (const auto& s : sdp.optimized_parameters()) out.shard_bytes += static_cast<int64_t>(s.nbytes());
+  for (const auto& t : optimizer_state_tensors(*optimizer)) out.state_bytes += static_cast<int64_t>(t.nbytes());
+  out.total_bytes = sdp.parameter_bytes();
+  sdp.for_each_gathered_block([&](const std::vector<at::Tensor>& params) {
+    for (const auto& p : params) out.weights.push_back(p.detach().clone());
+  });
+  return out;
+}
+
+// One process on the same batches, the ranks' slices as its micro-batches in rank order.
+std::vector<at::Tensor> train_zero3_reference(int world, const OptimizerSpec& spec, int steps) {
+  auto chain = make_zero3_chain();
+  auto optimizer = make_optimizer(spec, chain->parameters());
+  for (int step = 0; step < steps; ++step) {
+    const Batch batch = zero3_batch(step);
+    for (int r = 0; r < world; ++r) {
+      const BatchSlice s = rank_slice(batch.size(), r, world);
+      zero3_micro_batch(*chain, batch.slice(s.start, s.length), batch.size());
+    }
+    optimizer->step();
+    zero_grad(*optimizer, true);
+  }
+  std::vector<at::Tensor> weights;
+  for (const auto& p : chain->parameters()) weights.push_back(p.detach().clone());
+  return weights;
+}
+
+// Largest |a - b| / max|b| over the parameters.
+double max_relative_difference(const std::vector<at::Tensor>& a, const std::vector<at::Tensor>& b) {
+  double worst = 0;
+  for (size_t i = 0; i < b.size(); ++i) {
+    const double scale = std::max(b[i].abs().max().item<double>(), 1e-30);
+    worst = std::max(worst, (a[i] - b[i]).abs().max().item<double>() / scale);
+  }
+  return worst;
+}
+
+void expect_zero3_equals_one_process(int world, OptimizerSpec spec, bool bit_exact) {
+  constexpr int kSteps = 10;
+  const std::string master = "127.0.0.1:" + std::to_string(free_port());
+  std::vector<Zero3Outcome> outcome(static_cast<size_t>(world));
+  run_ranks(world, [&](int rank) { outcome[static_cast<size_t>(rank)] = train_zero3_rank(rank, world, master, spec, kSteps); });
+  const auto reference = train_zero3_reference(world, spec, kSteps);
+  int64_t shards = 0;
+  for (int r = 0; r < world; ++r) {
+    const auto& out = outcome[static_cast<size_t>(r)];
+    ASSERT_EQ(out.weights.size(), reference.size());
+    for (size_t i = 0; i < reference.size(); ++i) {
+      ASSERT_EQ(out.weights[i].sizes(), reference[i].sizes());
+      if (bit_exact) EXPECT_TRUE(at::equal(out.weights[i], reference[i])) << "rank " << r << " parameter " << i;
+    }
+    const double rel = max_relative_difference(out.weights, reference);
+    ::testing::Test::RecordProperty("max_relative_difference_rank" + std::to_string(r), std::to_string(rel));
+    EXPECT_LE(rel, 1e-6) << "rank " << r;
+    EXPECT_EQ(out.storage_left_in_chain, 0) << "the chain's parameters hold nothing between steps";
+    // Each rank holds 1/N of the weights, padding aside (< N elements per block).
+    EXPECT_NEAR(static_cast<double>(out.shard_bytes), static_cast<double>(out.total_bytes) / world, 3.0 * world * 4);
+    shards += out.shard_bytes;
+  }
+  EXPECT_GE(shards, outcome[0].total_bytes);
+  if (spec.family == OptimizerFamily::kAdamW) {
+    for (const auto& out : outcome) EXPECT_EQ(out.state_bytes, 2 * out.shard_bytes) << "AdamW state of the shards only";
+  }
+}
+
+// Gradients are summed in rank order, as one process accumulates the ranks' micro-batches,
+// and AdamW is elementwise on the shards: the weights are bit-equal for any world size.
+TEST(DistributedTest, Zero3TwoRanksEqualOneProcessBitForBit) {
+  OptimizerSpec spec;
+  spec.lr = 0.05;
+  expect_zero3_equals_one_process(2, spec, /*bit_exact=*/true);
+}
+
+TEST(DistributedTest, Zero3FourRanksEqualOneProcessBitForBit) {
+  OptimizerSpec spec;
+  spec.lr = 0.05;
+  expect_zero3_equals_one_process(4, spec, /*bit_exact=*/true);
+}
+
+TEST(DistributedTest, Zero3SgdWithMomentumEqualsOneProcess) {
+  OptimizerSpec spec;
+  spec.family = OptimizerFamily::kSGD;
+  spec.lr = 0.05;
+  spec.momentum = 0.9;
+  expect_zero3_equals_one_process(2, spec, /*bit_exact=*/true);
+}
+
+// Saving at stage 3: rank 0 gathers the whole weights and AdamW state, equal to one
+// process's. Resuming from one process's whole state, every rank gets back exactly the shards
+// of weights and state that stage 3 training had given it.
+TEST(DistributedTest, Zero3GathersTheWholeStateOnRank0AndReshardsIt) {
+  constexpr int kSteps = 3;
+  OptimizerSpec spec;
+  spec.lr = 0.05;
+  // The reference first: one process, the ranks' slices as micro-batches.
+  auto reference_chain = make_zero3_chain();
+  const auto reference_params = reference_chain->parameters();
+  auto reference = make_optimizer(spec, reference_params);
+  for (int step = 0; step < kSteps; ++step) {
+    const Batch batch = zero3_batch(step);
+    for (int r = 0; r < 2; ++r) {
+      const BatchSlice s = rank_slice(batch.size(), r, 2);
+      zero3_micro_batch(*reference_chain, batch.slice(s.start, s.length), batch.size());
+    }
+    reference->step();
+    zero_grad(*reference, true);
+  }
+  const std::string master = "127.0.0.1:" + std::to_string(free_port());
+  std::vector<at::Tensor> gathered_weights, gathered_exp_avg_sq;
+  std::vector<int64_t> gathered_steps;
+  std::vector<int> holds_whole(2, -1), reloaded_equal(2, -1);
+  run_ranks(2, [&](int rank) {
+    DistributedOptions o;
+    o.world_size = 2;
+    o.rank = rank;
+    o.master = master;
+    o.zero_stage = 3;
+    DistributedContext context(o);
+    auto chain = make_zero3_chain();
+    ShardedDataParallel sdp(context, *chain, 3);
+    auto optimizer = make_optimizer(spec, sdp.optimized_parameters());
+    for (int step = 0; step < kSteps; ++step) {
+      const Batch batch = zero3_batch(step);
+      const BatchSlice mine = rank_slice(batch.size(), rank, 2);
+      zero3_micro_batch(*chain, batch.slice(mine.start, mine.length), batch.size());
+      optimizer->step();
+      zero_grad(*optimizer, true);
+    }
+    std::vector<at::Tensor> shards_before = optimizer_state_tensors(*optimizer);
+    for (const auto& p : sdp.optimized_parameters()) shards_before.push_back(p.detach().clone());
+
+    auto full = sdp.gather_full_state(*optimizer, spec);
+    holds_whole[static_cast<size_t>(rank)] = full != nullptr;
+    if (rank == 0) {
+      for (const auto& p : chain->parameters()) {
+        gathered_weights.push_back(p.detach().clone());
+        const auto& s = static_cast<const torch::optim::AdamWParamState&>(*full->state().at(param_state_key(p)));
+        gathered_exp_avg_sq.push_back(s.exp_avg_sq().clone());
+        gathered_steps.push_back(s.step());
+      }
+    }
+    full.reset();
+    sdp.release_gathered_state();
+
+    auto fresh = make_optimizer(spec, sdp.optimized_parameters());
+    const auto params = chain->parameters();
+    sdp.load_full_state(
+        [&](torch::optim::Optimizer& whole) {  // what SavedState::load_into does with a one-process file
+          at::NoGradGuard no_grad;
+          for (size_t i = 0; i < params.size(); ++i) {
+            params[i].detach().copy_(reference_params[i].detach());
+            whole.state()[param_state_key(params[i])] = reference->state().at(param_state_key(reference_params[i]))->clone();
+          }
+        },
+        *fresh, spec);
+    std::vector<at::Tensor> after = optimizer_state_tensors(*fresh);
+    for (const auto& p : sdp.optimized_parameters()) after.push_back(p.detach());
+    bool equal = after.size() == shards_before.size();
+    for (size_t i = 0; equal && i < after.size(); ++i) equal = at::equal(after[i], shards_before[i]);
+    reloaded_equal[static_cast<size_t>(rank)] = equal;
+  });
+  EXPECT_EQ(holds_whole, (std::vector<int>{1, 0})) << "only rank 0 holds the whole state";
+  ASSERT_EQ(gathered_weights.size(), reference_params.size());
+  for (size_t i = 0; i < reference_params.size(); ++i) {
+    EXPECT_TRUE(at::equal(gathered_weights[i], reference_params[i].detach())) << "parameter " << i;
+    const auto& s =
+        static_cast<const torch::optim::AdamWParamState&>(*reference->state().at(param_state_key(reference_params[i])));
+    EXPECT_TRUE(at::equal(gathered_exp_avg_sq[i], s.exp_avg_sq())) << "exp_avg_sq of parameter " << i;
+    EXPECT_EQ(gathered_steps[i], kSteps);
+  }
+  EXPECT_EQ(reloaded_equal, (std::vector<int>{1, 1})) << "each rank's shards of weights and state, reloaded";
+}
+
+// Tied weights (one module in two blocks) cannot be sharded per block: one clear error on
+// every rank, before any training.
+TEST(DistributedTest, Zero3RefusesAParameterSharedByTwoBlocks) {
+  const std::string master = "127.0.0.1:" + std::to_string(free_port());
+  std::vector<std::string> errors(2);
+  run_ranks(2, [&](int rank) {
+    DistributedOptions o;
+    o.world_size = 2;
+    o.rank = rank;
+    o.master = master;
+    o.zero_stage = 3;
+    DistributedContext context(o);
+    auto chain = std::make_shared<Chain>();
+    auto shared = torch::nn::Linear(4, 4);
+    chain->add("first", shared.ptr());
+    chain->add("again", shared.ptr());
+    try {
+      ShardedDataParallel sdp(context, *chain, 3);
+    } catch (const OptionError& e) {
+      errors[static_cast<size_t>(rank)] = e.what();
+    }
+  });
+  for (const auto& e : errors) EXPECT_NE(e.find("shares a parameter with another block"), std::string::npos) << e;
+}
+
+TEST(DistributedTest, Zero3PredictedStatesArePaddedShardsOfEachBlock) {
+  // Blocks of 10 + 3 and 5 elements over 4 ranks: shards of ceil(13/4) = 4 and ceil(5/4) = 2.
+  const std::vector<at::Tensor> params{at::zeros({10}), at::zeros({3}), at::zeros({5})};
+  const auto ranks = predicted_rank_states(params, 4, 3, 2.0, {0, 0, 1});
+  ASSERT_EQ(ranks.size(), 4u);
+  for (const auto& r : ranks) {
+    EXPECT_EQ(r.weights, (4 + 2) * 4);
+    EXPECT_EQ(r.gradients, (4 + 2) * 4);
+    EXPECT_EQ(r.optimizer_state, 2 * (4 + 2) * 4);
+  }
+  const auto blocks = gathered_block_bytes({{params[0], params[1]}, {params[2]}}, 4);
+  EXPECT_EQ(blocks[0].full, 13 * 4);
+  EXPECT_EQ(blocks[0].shard, 4 * 4);
+  EXPECT_EQ(blocks[1].shard, 2 * 4);
+  EXPECT_THROW(predicted_rank_states(params, 4, 4, 2.0), std::invalid_argument);
 }
 
 }  // namespace

@@ -260,6 +260,35 @@ TEST(PlanSearchTest, BatchMustMatchTheProfile) {
   EXPECT_THROW(Planner(hand_workload(), r), OptionError);
 }
 
+// ZeRO 3 over 2 ranks: the weights and gradients held are the shards (half of each block),
+// the state is measured on the shards, and each block's full weights come on top of its own
+// forward, recompute and backward peaks only.
+TEST(PlanSearchTest, Zero3CountsShardsAndOneGatheredBlockAtATime) {
+  PlanRequest whole = hand_request();
+  whole.checkpoint = CheckpointPlan::all(4);
+  PlanRequest zero3 = whole;
+  zero3.gathered_blocks.assign(4, GatheredBlockBytes{4 * 10000, 4 * 5000});
+  zero3.gradient_bytes = 4 * 20000;
+  zero3.optimizer.state_bytes = 2 * 4 * 20000;
+  zero3.optimizer.step_bytes = 20000;
+  const Planner one(hand_workload(), whole), sharded(hand_workload(), zero3);
+
+  ChainCosts expected = one.costs_at(4);
+  expected.fixed_bytes = 4 * 20000 + 2 * 4 * 20000 + 8 * 100;  // shards, their state, the batch
+  for (auto& b : expected.blocks) {
+    b.forward_peak += 40000;
+    b.forward_nograd_peak += 40000;
+    b.backward_peak += 40000;
+    b.param_bytes = 20000;
+  }
+  const int64_t optimizer_peak = 4 * 20000 + 4 * 20000 + 2 * 4 * 20000 + 20000 + 8 * 100;
+  const Plan p = sharded.evaluate(4, Precision::kFP32, CheckpointPlan::all(4), 10000000);
+  EXPECT_EQ(p.predicted_peak,
+            std::max(evaluate_schedule(expected, CheckpointPlan::all(4).segments).peak_bytes, optimizer_peak));
+  EXPECT_LT(p.predicted_peak, one.evaluate(4, Precision::kFP32, CheckpointPlan::all(4), 10000000).predicted_peak);
+  EXPECT_LT(sharded.floor_bytes(), one.floor_bytes());
+}
+
 }  // namespace
 }  // namespace memfit
 

@@ -64,6 +64,10 @@ void print_report_states(const Report& r) {
       fmt::print("  rank {:<3} weights {}  gradients {}  optimizer state {}\n", i, bytes_cell(s.weights),
                  bytes_cell(s.gradients), bytes_cell(s.optimizer_state));
     }
+    if (r.largest_gathered_block_bytes > 0) {
+      fmt::print("  + the largest block gathered in full while it runs: weights {} (and its gradients until reduced)\n",
+                 bytes_cell(r.largest_gathered_block_bytes));
+    }
   }
   fmt::print("\nActivations each block keeps for backward (end of forward):\n");
   for (size_t i = 0; i < r.block_names.size(); ++i) {

@@ -40,7 +40,7 @@ CLI::App* add_report(CLI::App& app, WorkloadFlags& w, StepFlags& s, ReportFlags&
   cmd->add_option("--html", f.html, "also write a self-contained HTML report to this file");
   cmd->add_option("--world-size", f.world_size, "also show state bytes per rank for this many data-parallel ranks")
       ->capture_default_str();
-  cmd->add_option("--zero", f.zero_stage, "ZeRO stage for --world-size: 0, 1 or 2")->capture_default_str();
+  cmd->add_option("--zero", f.zero_stage, "ZeRO stage for --world-size: 0, 1, 2 or 3")->capture_default_str();
   return cmd;
 }
 
@@ -71,7 +71,7 @@ CLI::App* add_train(CLI::App& app, WorkloadFlags& w, StepFlags& s, TrainFlags& f
   cmd->add_option("--world-size", o.distributed.world_size, "data-parallel ranks (memfit launch sets it)")->capture_default_str();
   cmd->add_option("--rank", o.distributed.rank, "this process's rank: 0 to --world-size - 1")->capture_default_str();
   cmd->add_option("--master", o.distributed.master, "HOST:PORT of the rendezvous rank 0 opens")->capture_default_str();
-  cmd->add_option("--zero", o.distributed.zero_stage, "0: data parallel; 1: optimizer state sharded; 2: gradients too")
+  cmd->add_option("--zero", o.distributed.zero_stage, "0: data parallel; 1: optimizer state sharded; 2: gradients too; 3: weights too")
       ->capture_default_str();
   cmd->add_option("--dist-timeout", o.distributed.timeout_seconds, "seconds to wait for other ranks (rendezvous, each collective)")
       ->capture_default_str();

@@ -87,17 +87,44 @@ ChainCosts Planner::costs_at(int64_t m, const PrecisionProfile& p, const Optimiz
       b.backward_seconds *= scale;
     }
   }
-  c.fixed_bytes = profile_.weight_bytes + optimizer.state_bytes + profile_.batch_bytes + request_.resident_bytes;
+  c.fixed_bytes = weight_bytes() + optimizer.state_bytes + profile_.batch_bytes + request_.resident_bytes;
   c.gradients_present = m < profile_.batch || !request_.step.set_to_none;
   c.segment_overhead_bytes = profile_.segment_overhead_bytes;
+  if (!request_.gathered_blocks.empty()) add_gathered_blocks(c);
   return c;
+}
+
+int64_t Planner::weight_bytes() const {
+  if (request_.gathered_blocks.empty()) return profile_.weight_bytes;
+  int64_t shards = 0;
+  for (const auto& b : request_.gathered_blocks) shards += b.shard;
+  return shards;
+}
+
+void Planner::add_gathered_blocks(ChainCosts& c) const {
+  // ZeRO 3: the profile measured each block with its weights present all along and its full
+  // gradients kept; here a block's full weights exist only while it runs (forward, recompute,
+  // backward: its peaks grow by them), and what stays of its gradients is the shard's.
+  // Autocast's weight copies are made per block while gathered (part of its forward peak),
+  // not cached ahead.
+  TORCH_CHECK(request_.gathered_blocks.size() == c.blocks.size(), "memfit::Planner: ", request_.gathered_blocks.size(),
+              " gathered blocks for a chain of ", c.blocks.size());
+  for (size_t k = 0; k < c.blocks.size(); ++k) {
+    BlockCost& b = c.blocks[k];
+    const GatheredBlockBytes& g = request_.gathered_blocks[k];
+    b.forward_peak += g.full;
+    b.forward_nograd_peak += g.full;
+    b.backward_peak += g.full;
+    b.param_bytes = g.shard;
+    b.cast_bytes = 0;
+  }
 }
 
 int64_t Planner::optimizer_peak(const OptimizerCost& optimizer) const {
   // The optimizer step: weights, gradients, the optimizer's state and temporaries (both
   // measured), the batch, and what else lives then (state gathered for saving).
   const int64_t gradients = request_.gradient_bytes >= 0 ? request_.gradient_bytes : profile_.weight_bytes;
-  return profile_.weight_bytes + gradients + optimizer.state_bytes + optimizer.step_bytes +
+  return weight_bytes() + gradients + optimizer.state_bytes + optimizer.step_bytes +
          profile_.batch_bytes + request_.extra_bytes + request_.resident_bytes;
 }
 

@@ -104,7 +104,9 @@ BlockRun run_block(Workload& w, int i, const at::Tensor& x, const at::Tensor& ta
   BlockRun r;
   BlockCost& c = r.cost;
   const auto block_params = block.module->parameters();
-  for (const auto& p : block_params) c.param_bytes += static_cast<int64_t>(p.storage().nbytes());
+  // The parameter's own bytes, not its storage's: at ZeRO 3 a block's parameters are views of
+  // one flat buffer.
+  for (const auto& p : block_params) c.param_bytes += static_cast<int64_t>(p.nbytes());
   if (precision != Precision::kFP32) {
     const int64_t element = static_cast<int64_t>(c10::elementSize(precision_dtype(precision)));
     for (const auto& p : autocast_cast_parameters(*block.module)) c.cast_bytes += p.numel() * element;

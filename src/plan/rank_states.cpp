@@ -23,9 +23,53 @@ std::vector<int> partition_by_bytes(const std::vector<at::Tensor>& parameters, i
   return owner;
 }
 
+int64_t shard_numel(int64_t numel, int world_size) {
+  check_option(world_size >= 1, "world_size", world_size, "expected >= 1");
+  return (numel + world_size - 1) / world_size;
+}
+
+std::vector<GatheredBlockBytes> gathered_block_bytes(const std::vector<std::vector<at::Tensor>>& blocks, int world_size) {
+  std::vector<GatheredBlockBytes> out;
+  for (const auto& params : blocks) {
+    int64_t numel = 0, element = 0;
+    for (const auto& p : params) {
+      numel += p.numel();
+      element = static_cast<int64_t>(p.element_size());
+    }
+    out.push_back({numel * element, shard_numel(numel, world_size) * element});
+  }
+  return out;
+}
+
+namespace {
+
+// Stage 3: every rank holds its padded piece of every block.
+std::vector<RankStateBytes> zero3_rank_states(const std::vector<at::Tensor>& parameters, int world_size,
+                                              double optimizer_state_per_byte, const std::vector<int>& block_of_parameter) {
+  std::vector<std::vector<at::Tensor>> blocks;
+  for (size_t i = 0; i < parameters.size(); ++i) {
+    const bool new_block = blocks.empty() || block_of_parameter.empty() || block_of_parameter[i] != block_of_parameter[i - 1];
+    if (new_block) blocks.emplace_back();
+    blocks.back().push_back(parameters[i]);
+  }
+  int64_t shard = 0;
+  for (const auto& b : gathered_block_bytes(blocks, world_size)) shard += b.shard;
+  RankStateBytes r;
+  r.weights = shard;
+  r.gradients = shard;
+  r.optimizer_state = std::llround(optimizer_state_per_byte * static_cast<double>(shard));
+  return std::vector<RankStateBytes>(static_cast<size_t>(world_size), r);
+}
+
+}  // namespace
+
 std::vector<RankStateBytes> predicted_rank_states(const std::vector<at::Tensor>& parameters, int world_size,
-                                                  int zero_stage, double optimizer_state_per_byte) {
-  check_option(zero_stage >= 0 && zero_stage <= 2, "zero_stage", zero_stage, "expected 0, 1 or 2");
+                                                  int zero_stage, double optimizer_state_per_byte,
+                                                  const std::vector<int>& block_of_parameter) {
+  check_option(zero_stage >= 0 && zero_stage <= 3, "zero_stage", zero_stage, "expected 0, 1, 2 or 3");
+  check_option(block_of_parameter.empty() || block_of_parameter.size() == parameters.size(), "block_of_parameter",
+               block_of_parameter.size(), "expected one block index per parameter (" + std::to_string(parameters.size()) + ")");
+  if (zero_stage == 3) return zero3_rank_states(parameters, world_size, optimizer_state_per_byte, block_of_parameter);
   const std::vector<int> owner = partition_by_bytes(parameters, world_size);
   int64_t total = 0;
   std::vector<int64_t> owned(static_cast<size_t>(world_size), 0);
@@ -37,7 +81,7 @@ std::vector<RankStateBytes> predicted_rank_states(const std::vector<at::Tensor>&
   for (int r = 0; r < world_size; ++r) {
     const int64_t mine = owned[static_cast<size_t>(r)];
     RankStateBytes b;
-    b.weights = total;  // every rank holds all weights (ZeRO 3 would shard them too)
+    b.weights = total;  // every rank holds all weights (ZeRO 3 shards them too: above)
     b.gradients = zero_stage == 2 ? mine : total;
     const int64_t stepped = zero_stage == 0 ? total : mine;
     b.optimizer_state = std::llround(optimizer_state_per_byte * static_cast<double>(stepped));

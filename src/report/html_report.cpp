@@ -830,7 +830,14 @@ std::string render_ranks_section(const json& doc) {
            r.value("rank", 0), wts, escape_html(format_bytes(wts)), grads, escape_html(format_bytes(grads)), opt,
            escape_html(format_bytes(opt)), escape_html(format_bytes(wts + grads + opt)));
   }
-  out += "</tbody></table></section>";
+  out += "</tbody></table>";
+  const int64_t gathered = doc.value("largest_gathered_block_bytes", int64_t{0});
+  if (gathered > 0) {
+    append(out, R"(<p id="ranks-gathered">Each rank also gathers one block's weights in full while it runs: the largest is )"
+                R"(<span title="{} bytes">{}</span> (with its gradients until they are reduced to their owners).</p>)",
+           gathered, escape_html(format_bytes(gathered)));
+  }
+  out += "</section>";
   return out;
 }
 

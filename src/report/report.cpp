@@ -80,7 +80,18 @@ Report run_report(Workload& w, const ReportOptions& o) {
   const double state_per_byte = r.parameter_bytes > 0 ? static_cast<double>(r.states.optimizer_state) /
                                                             static_cast<double>(r.parameter_bytes)
                                                       : 0.0;
-  r.ranks = predicted_rank_states(w.chain->parameters(), o.world_size, o.zero_stage, state_per_byte);
+  std::vector<int> block_of_parameter;
+  std::vector<std::vector<at::Tensor>> blocks;
+  for (int i = 0; i < w.chain->size(); ++i) {
+    blocks.push_back(w.chain->block_parameters(i, i));
+    block_of_parameter.insert(block_of_parameter.end(), blocks.back().size(), i);
+  }
+  r.ranks = predicted_rank_states(w.chain->parameters(), o.world_size, o.zero_stage, state_per_byte, block_of_parameter);
+  if (o.zero_stage == 3 && o.world_size > 1) {
+    for (const auto& b : gathered_block_bytes(blocks, o.world_size)) {
+      r.largest_gathered_block_bytes = std::max(r.largest_gathered_block_bytes, b.full);
+    }
+  }
   return r;
 }
 
@@ -136,6 +147,7 @@ nlohmann::json report_json(const Report& r) {
   j["world_size"] = r.options.world_size;
   j["zero_stage"] = r.options.zero_stage;
   j["ranks"] = ranks_json(r.ranks);  // predicted per rank (see ReportOptions)
+  if (r.largest_gathered_block_bytes > 0) j["largest_gathered_block_bytes"] = r.largest_gathered_block_bytes;
   return j;
 }
 
@@ -194,6 +206,7 @@ nlohmann::json report_chart_document(const Report& r) {
   if (r.ranks.size() > 1) {
     d["ranks"] = ranks_json(r.ranks);
     d["zero_stage"] = r.options.zero_stage;
+    if (r.largest_gathered_block_bytes > 0) d["largest_gathered_block_bytes"] = r.largest_gathered_block_bytes;
   }
   return d;
 }

@@ -128,7 +128,17 @@ at::Tensor Chain::run_blocks(const at::Tensor& input, int first, int last) {
   return x;
 }
 
+at::Tensor Chain::run_through_runner(const at::Tensor& input) {
+  at::Tensor x = input;
+  for (int i = 0; i < size(); ++i) {
+    const BlockFn run = [this, i](const at::Tensor& in) { return run_blocks(in, i, i); };
+    x = runner_(i, x, run);
+  }
+  return x;
+}
+
 at::Tensor Chain::forward(const at::Tensor& input, const CheckpointPlan& plan) {
+  if (runner_) return run_through_runner(input);
   at::Tensor x = input;
   int next = 0;
   for (const auto& [first, last] : plan.segments) {

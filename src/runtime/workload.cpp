@@ -21,7 +21,8 @@ int64_t parameter_count(const torch::nn::Module& module) {
 
 int64_t parameter_bytes(const torch::nn::Module& module) {
   int64_t n = 0;
-  for (const auto& p : module.parameters()) n += static_cast<int64_t>(p.storage().nbytes());
+  // Each parameter's own bytes (ZeRO 3 gathers a block's parameters as views of one buffer).
+  for (const auto& p : module.parameters()) n += static_cast<int64_t>(p.nbytes());
   return n;
 }
 

@@ -96,7 +96,96 @@ class CheckpointFunction : public torch::autograd::Function<CheckpointFunction> 
   }
 };
 
+// Gathered for the life of the scope (released on the way out, on errors too).
+class GatheredScope {
+ public:
+  explicit GatheredScope(const GatheredParams& g) : g_(g) { g_.gather(); }
+  ~GatheredScope() { g_.release(); }
+  GatheredScope(const GatheredScope&) = delete;
+  GatheredScope& operator=(const GatheredScope&) = delete;
+
+ private:
+  const GatheredParams& g_;
+};
+
+struct GatheredState : torch::CustomClassHolder {
+  BlockFn block;
+  RngState rng;
+  AutocastState autocast;
+  GatheredParams gathered;
+  std::vector<at::Tensor> buffers;
+};
+
+class GatheredFunction : public torch::autograd::Function<GatheredFunction> {
+ public:
+  // `shard` is an argument only so that autograd routes its gradient (backward's return).
+  static at::Tensor forward(torch::autograd::AutogradContext* ctx, at::Tensor input, at::Tensor shard,
+                            c10::intrusive_ptr<GatheredState> state) {
+    (void)shard;
+    ctx->save_for_backward({input});
+    ctx->saved_data["state"] = c10::IValue::make_capsule(state);
+    GatheredScope gathered(state->gathered);
+    return state->block(input);
+  }
+
+  static torch::autograd::variable_list backward(torch::autograd::AutogradContext* ctx,
+                                                 torch::autograd::variable_list grad_outputs) {
+    const at::Tensor input = ctx->get_saved_variables()[0];
+    auto state = c10::static_intrusive_pointer_cast<GatheredState>(ctx->saved_data["state"].toCapsule());
+    const std::vector<at::Tensor>& params = state->gathered.params;
+    std::vector<at::Tensor> full_grads(params.size());
+    at::Tensor input_grad;
+    {
+      GatheredScope gathered(state->gathered);
+      BufferGuard buffers(state->buffers);
+      at::Tensor x = input.detach();
+      x.requires_grad_(input.requires_grad());
+      at::Tensor y;
+      {
+        torch::AutoGradMode grad_on(true);
+        PhaseGuard recompute(Phase::kRecompute);
+        RngStateGuard rng(state->rng);
+        Autocast cpu_autocast(c10::kCPU, state->autocast.cpu_dtype, state->autocast.cpu_enabled);
+        Autocast cuda_autocast(c10::kCUDA, state->autocast.cuda_dtype, state->autocast.cuda_enabled);
+        y = state->block(x);
+      }
+      std::vector<at::Tensor> wrt(params.begin(), params.end());
+      if (x.requires_grad()) wrt.push_back(x);
+      if (y.requires_grad()) {
+        auto grads = torch::autograd::grad({y}, wrt, {grad_outputs[0]}, /*retain_graph=*/false,
+                                           /*create_graph=*/false, /*allow_unused=*/true);
+        std::move(grads.begin(), grads.begin() + static_cast<int64_t>(params.size()), full_grads.begin());
+        if (x.requires_grad()) input_grad = grads.back();
+      }
+    }
+    // reduce may work in place on the full gradients: none may share the input gradient's
+    // storage (a parameter added as is passes the incoming gradient through unchanged).
+    for (auto& g : full_grads) {
+      if (g.defined() && input_grad.defined() && g.is_alias_of(input_grad)) g = g.clone();
+    }
+    // Reduced after the weights are released: the full gradients are then the block's only
+    // full-size tensors.
+    at::Tensor shard_grad = state->gathered.reduce(std::move(full_grads));
+    return {input_grad, shard_grad, at::Tensor()};
+  }
+};
+
 }  // namespace
+
+at::Tensor checkpoint_gathered(BlockFn block, const at::Tensor& input, const at::Tensor& shard, GatheredParams gathered,
+                               std::vector<at::Tensor> buffers) {
+  if (!at::GradMode::is_enabled()) {
+    GatheredScope scope(gathered);
+    return block(input);
+  }
+  auto state = c10::make_intrusive<GatheredState>();
+  state->block = std::move(block);
+  state->rng = capture_rng(input.device());
+  state->autocast = AutocastState::capture();
+  state->gathered = std::move(gathered);
+  state->buffers = std::move(buffers);
+  return GatheredFunction::apply(input, shard, state);
+}
 
 at::Tensor checkpoint(BlockFn block, const at::Tensor& input, at::TensorList params, std::vector<at::Tensor> buffers) {
   if (!at::GradMode::is_enabled()) return block(input);  // nothing to save in evaluation

@@ -1,5 +1,7 @@
 #include "memfit/train/distributed.h"
 
+#include <ATen/autocast_mode.h>
+#include <c10/core/InferenceMode.h>
 #include <c10/util/Exception.h>
 #include <torch/csrc/distributed/c10d/ProcessGroup.hpp>
 #include <torch/csrc/distributed/c10d/TCPStore.hpp>
@@ -15,11 +17,13 @@
 
 #include <algorithm>
 #include <chrono>
+#include <set>
 #include <cstdlib>
 #include <sstream>
 #include <thread>
 
 #include "memfit/errors.h"
+#include "memfit/techniques/checkpoint.h"
 
 namespace memfit {
 namespace {
@@ -84,7 +88,7 @@ void validate(const DistributedOptions& o) {
   check_option(o.world_size >= 1, "distributed.world_size", o.world_size, "expected a positive integer");
   check_option(o.rank >= 0 && o.rank < o.world_size, "distributed.rank", o.rank,
                "expected 0 to " + std::to_string(o.world_size - 1) + " (one less than the world size)");
-  check_option(o.zero_stage >= 0 && o.zero_stage <= 2, "zero_stage", o.zero_stage, "expected 0, 1 or 2");
+  check_option(o.zero_stage >= 0 && o.zero_stage <= 3, "zero_stage", o.zero_stage, "expected 0, 1, 2 or 3");
   check_option(o.timeout_seconds > 0 && o.timeout_seconds <= 86400, "distributed.timeout", seconds_text(o.timeout_seconds),
                "expected a positive number of seconds, at most a day (86400)");
   check_option(o.backend == "auto" || o.backend == "gloo" || o.backend == "nccl", "distributed.backend", o.backend,
@@ -329,8 +333,21 @@ BatchSlice rank_slice(int64_t batch, int rank, int world_size) {
 // --- sharded data parallel ------------------------------------------------------------------
 
 ShardedDataParallel::ShardedDataParallel(DistributedContext& context, std::vector<at::Tensor> parameters, int zero_stage)
-    : context_(context), parameters_(std::move(parameters)), stage_(zero_stage) {
-  check_option(zero_stage >= 0 && zero_stage <= 2, "zero_stage", zero_stage, "expected 0, 1 or 2");
+    : ShardedDataParallel(context, std::move(parameters), zero_stage, nullptr) {}
+
+ShardedDataParallel::ShardedDataParallel(DistributedContext& context, Chain& chain, int zero_stage)
+    : ShardedDataParallel(context, chain.parameters(), zero_stage, &chain) {}
+
+ShardedDataParallel::~ShardedDataParallel() {
+  if (chain_ != nullptr) chain_->set_block_runner({});  // the runner points here
+}
+
+ShardedDataParallel::ShardedDataParallel(DistributedContext& context, std::vector<at::Tensor> parameters, int zero_stage,
+                                         Chain* chain)
+    : context_(context), parameters_(std::move(parameters)), stage_(zero_stage), chain_(chain) {
+  check_option(zero_stage >= 0 && zero_stage <= 3, "zero_stage", zero_stage, "expected 0, 1, 2 or 3");
+  check_option(zero_stage < 3 || chain != nullptr, "zero_stage", zero_stage,
+               "stage 3 shards blocks: construct ShardedDataParallel from the Chain");
   owner_ = partition_by_bytes(parameters_, world_size());
   for (size_t i = 0; i < parameters_.size(); ++i) {
     const auto& p = parameters_[i];
@@ -351,10 +368,16 @@ ShardedDataParallel::ShardedDataParallel(DistributedContext& context, std::vecto
     works.push_back(impl.issue("broadcasting the initial weights", [&] { return impl.group->broadcast(t); }));
   }
   impl.wait(works, "broadcasting the initial weights");
+  if (stage_ == 3) shard_blocks();
 }
 
 std::vector<at::Tensor> ShardedDataParallel::optimized_parameters() const {
   if (stage_ == 0) return parameters_;
+  if (stage_ == 3) {
+    std::vector<at::Tensor> shards;
+    for (const auto& b : shards_) shards.push_back(b.shard);
+    return shards;
+  }
   std::vector<at::Tensor> mine;
   for (size_t i = 0; i < parameters_.size(); ++i) {
     if (owns(i)) mine.push_back(parameters_[i]);
@@ -363,6 +386,7 @@ std::vector<at::Tensor> ShardedDataParallel::optimized_parameters() const {
 }
 
 void ShardedDataParallel::reduce_gradients() {
+  if (stage_ == 3) return;  // reduced block by block in backward
   at::NoGradGuard no_grad;
   auto& impl = *context_.impl_;
   const char* what = stage_ == 2 ? "reducing gradients to their owners" : "all-reducing gradients";
@@ -389,7 +413,7 @@ void ShardedDataParallel::reduce_gradients() {
 }
 
 void ShardedDataParallel::finish_step(bool set_to_none) {
-  if (stage_ == 0) return;
+  if (stage_ == 0 || stage_ == 3) return;  // stage 3: each rank stepped its own shards, nothing to send
   at::NoGradGuard no_grad;
   if (stage_ == 1) {
     for (size_t i = 0; i < parameters_.size(); ++i) {
@@ -418,6 +442,7 @@ void ShardedDataParallel::finish_step(bool set_to_none) {
 std::unique_ptr<torch::optim::Optimizer> ShardedDataParallel::gather_optimizer_state(torch::optim::Optimizer& sharded,
                                                                                    const OptimizerSpec& spec) {
   if (stage_ == 0) throw std::logic_error("gather_optimizer_state: at stage 0 every rank has the whole state");
+  if (stage_ == 3) throw std::logic_error("gather_optimizer_state: not implemented at stage 3 (saving is refused there)");
   const char* what = "gathering the optimizer state on rank 0";
   std::unique_ptr<torch::optim::Optimizer> full = rank() == 0 ? make_optimizer(spec, parameters_) : nullptr;
   const size_t slots = param_state_slots(spec);
@@ -473,6 +498,7 @@ void ShardedDataParallel::receive_param_state(torch::optim::Optimizer& full, siz
 
 void ShardedDataParallel::keep_owned_state(torch::optim::Optimizer& full, torch::optim::Optimizer& sharded) const {
   if (stage_ == 0) throw std::logic_error("keep_owned_state: at stage 0 every rank keeps the whole state");
+  if (stage_ == 3) throw std::logic_error("keep_owned_state: not implemented at stage 3 (resuming is refused there)");
   for (size_t i = 0; i < parameters_.size(); ++i) {
     if (!owns(i)) continue;
     const auto key = param_state_key(parameters_[i]);
@@ -480,6 +506,268 @@ void ShardedDataParallel::keep_owned_state(torch::optim::Optimizer& full, torch:
     if (it != full.state().end()) sharded.state()[key] = std::move(it->second);
   }
   full.state().clear();  // the other ranks' shares are released here
+}
+
+// --- ZeRO stage 3 ---------------------------------------------------------------------------
+
+void ShardedDataParallel::shard_blocks() {
+  at::NoGradGuard no_grad;
+  const int n = world_size();
+  shard_of_block_.assign(static_cast<size_t>(chain_->size()), -1);
+  total_bytes_ = owned_bytes_ = 0;
+  std::set<const void*> seen;  // a parameter shared by two blocks (tied weights) cannot be in two shards
+  for (int i = 0; i < chain_->size(); ++i) {
+    BlockShard b;
+    b.block = i;
+    b.params = chain_->block_parameters(i, i);
+    if (b.params.empty()) continue;
+    std::vector<at::Tensor> flat_parts;
+    for (const auto& p : b.params) {
+      check_option(seen.insert(p.unsafeGetTensorImpl()).second, "zero_stage", 3,
+                   "block " + std::to_string(i) + " (" + chain_->block(i).name +
+                       ") shares a parameter with another block (tied weights): ZeRO 3 gathers one block at a time");
+      check_option(p.scalar_type() == b.params.front().scalar_type() && p.device() == b.params.front().device(), "zero_stage", 3,
+                   "the parameters of block " + std::to_string(i) + " (" + chain_->block(i).name +
+                       ") must share one dtype and device to be sharded flat");
+      check_option(p.requires_grad(), "zero_stage", 3,
+                   "every parameter must require grad; block " + std::to_string(i) + " has a frozen one");
+      b.offsets.push_back(b.numel);
+      b.shapes.push_back(p.sizes().vec());
+      b.numel += p.numel();
+      flat_parts.push_back(p.detach().reshape({-1}));
+    }
+    b.shard_numel = shard_numel(b.numel, n);
+    const at::Tensor flat = at::cat(flat_parts);
+    flat_parts.clear();
+    b.shard = own_range(b, flat).requires_grad_(true);
+    total_bytes_ += b.numel * static_cast<int64_t>(flat.element_size());
+    owned_bytes_ += static_cast<int64_t>(b.shard.nbytes());
+    release(b);
+    shard_of_block_[static_cast<size_t>(i)] = static_cast<int>(shards_.size());
+    shards_.push_back(std::move(b));
+  }
+  install_runner();
+}
+
+void ShardedDataParallel::install_runner() {
+  chain_->set_block_runner([this](int index, const at::Tensor& x, const BlockFn& run) { return run_block(index, x, run); });
+}
+
+void ShardedDataParallel::gather(BlockShard& b) {
+  at::NoGradGuard no_grad;
+  c10::InferenceMode normal_tensors(false);  // the parameters' data outlives an evaluation's inference mode
+  at::autocast::clear_cache();  // a cached cast of a parameter is of its previous (released) value
+  const int64_t s = b.shard_numel;
+  const at::Tensor flat = at::empty({s * world_size()}, at::TensorOptions().dtype(b.shard.scalar_type()).device(b.shard.device()));
+  flat.narrow(0, rank() * s, s).copy_(b.shard.detach());
+  auto& impl = *context_.impl_;
+  const char* what = "gathering a block's weights (ZeRO 3)";
+  std::vector<c10::intrusive_ptr<c10d::Work>> works;
+  for (int r = 0; r < world_size(); ++r) {
+    std::vector<at::Tensor> t{flat.narrow(0, r * s, s)};
+    c10d::BroadcastOptions opts;
+    opts.rootRank = r;
+    works.push_back(impl.issue(what, [&] { return impl.group->broadcast(t, opts); }));
+  }
+  impl.wait(works, what);
+  set_views(b, flat);
+}
+
+// One allocation for the block, freed when all its parameters are released.
+void ShardedDataParallel::set_views(BlockShard& b, const at::Tensor& flat) {
+  for (size_t i = 0; i < b.params.size(); ++i) {
+    b.params[i].set_data(flat.narrow(0, b.offsets[i], c10::multiply_integers(b.shapes[i])).view(b.shapes[i]));
+  }
+}
+
+at::Tensor ShardedDataParallel::own_range(const BlockShard& b, const at::Tensor& flat) const {
+  const int64_t first = std::min<int64_t>(b.numel, rank() * b.shard_numel);
+  const int64_t last = std::min<int64_t>(b.numel, (rank() + 1) * b.shard_numel);
+  at::Tensor mine = at::zeros({b.shard_numel}, flat.options());  // the padding stays zero
+  mine.narrow(0, 0, last - first).copy_(flat.narrow(0, first, last - first));
+  return mine;
+}
+
+void ShardedDataParallel::release(BlockShard& b) {
+  at::NoGradGuard no_grad;
+  const auto empty = at::TensorOptions().dtype(b.shard.scalar_type()).device(b.shard.device());
+  for (auto& p : b.params) {
+    p.set_data(at::empty({0}, empty));
+    p.mutable_grad().reset();  // (profiling through FullWeights leaves full gradients)
+  }
+}
+
+// Each owner's range [r*s, (r+1)*s) of the flat layout is summed along a chain in rank order,
+// 0 -> 1 -> ... -> N-1, then sent to its owner: ((g0 + g1) + g2) + ..., the order in which one
+// process accumulates the ranks' micro-batches, so the sums are bit-equal to single-process
+// training for any world size (Gloo's reduce sums in an order of its own; it has no
+// reduce_scatter). c10d point-to-point sends, one range at a time on every rank.
+at::Tensor ShardedDataParallel::reduce_to_shard(BlockShard& b, std::vector<at::Tensor> full_grads) {
+  at::NoGradGuard no_grad;
+  const int64_t s = b.shard_numel;
+  std::vector<at::Tensor> flat_grads;
+  for (size_t i = 0; i < b.params.size(); ++i) {
+    const at::Tensor& g = full_grads[i];
+    const int64_t numel = c10::multiply_integers(b.shapes[i]);
+    flat_grads.push_back(g.defined() ? g.reshape({-1}) : at::zeros({numel}, b.shard.options()));  // all take part
+  }
+  full_grads.clear();
+  at::Tensor shard_grad = at::zeros({s}, b.shard.options());  // the padding's gradient stays zero
+  // Piece by piece (a piece: the part of one parameter's gradient inside a range), so that
+  // nothing beyond one piece is allocated.
+  for (int r = 0; r < world_size(); ++r) {
+    for (size_t i = 0; i < b.params.size(); ++i) {
+      const int64_t lo = std::max(b.offsets[i], r * s);
+      const int64_t hi = std::min(b.offsets[i] + flat_grads[i].numel(), (r + 1) * s);
+      if (lo >= hi) continue;
+      const at::Tensor sum = sum_in_rank_order(flat_grads[i].narrow(0, lo - b.offsets[i], hi - lo), r);
+      if (rank() == r) shard_grad.narrow(0, lo - r * s, hi - lo).copy_(sum);
+    }
+  }
+  return shard_grad;
+}
+
+// One piece's chain: this rank adds its part to the sum of the ranks before it and passes
+// it on; the owner gets the total (on other ranks the result is meaningless).
+at::Tensor ShardedDataParallel::sum_in_rank_order(at::Tensor mine, int owner) {
+  const char* what = "summing a block's gradients for their owner (ZeRO 3)";
+  const int last = world_size() - 1;
+  at::Tensor sum = mine;
+  if (rank() > 0) {
+    sum = at::empty_like(mine);
+    context_.receive(sum, rank() - 1, what);
+    sum.add_(mine);
+  }
+  if (rank() < last) {
+    context_.send(sum, rank() + 1, what);
+  } else if (owner != last) {
+    context_.send(sum, owner, what);
+  }
+  if (rank() == owner && owner != last) context_.receive(sum, last, what);
+  return sum;
+}
+
+at::Tensor ShardedDataParallel::run_block(int index, const at::Tensor& x, const BlockFn& run) {
+  const int k = shard_of_block_.at(static_cast<size_t>(index));
+  if (k < 0) return run(x);  // nothing to gather: an ordinary block
+  GatheredParams g;
+  g.params = shards_[static_cast<size_t>(k)].params;
+  g.gather = [this, k] { gather(shards_[static_cast<size_t>(k)]); };
+  g.release = [this, k] { release(shards_[static_cast<size_t>(k)]); };
+  g.reduce = [this, k](std::vector<at::Tensor> grads) { return reduce_to_shard(shards_[static_cast<size_t>(k)], std::move(grads)); };
+  return checkpoint_gathered(run, x, shards_[static_cast<size_t>(k)].shard, std::move(g), chain_->block_buffers(index, index));
+}
+
+std::vector<GatheredBlockBytes> ShardedDataParallel::block_bytes() const {
+  std::vector<GatheredBlockBytes> out(static_cast<size_t>(chain_ != nullptr ? chain_->size() : 0));
+  for (const auto& b : shards_) {
+    const auto element = static_cast<int64_t>(b.shard.element_size());
+    out[static_cast<size_t>(b.block)] = {b.numel * element, b.shard_numel * element};
+  }
+  return out;
+}
+
+void ShardedDataParallel::for_each_gathered_block(const std::function<void(const std::vector<at::Tensor>&)>& visit) {
+  TORCH_CHECK(stage_ == 3, "for_each_gathered_block: only at ZeRO stage 3 are the weights sharded");
+  for (auto& b : shards_) {
+    gather(b);
+    try {
+      visit(b.params);
+    } catch (...) {
+      release(b);
+      throw;
+    }
+    release(b);
+  }
+}
+
+// Rank 0: every rank's piece of s elements, in rank order (the flat block, padded); the other
+// ranks send theirs and get an undefined tensor.
+at::Tensor ShardedDataParallel::gather_to_rank0(const at::Tensor& piece, int64_t s, const char* what) {
+  if (rank() != 0) {
+    context_.send(piece.contiguous(), 0, what);
+    return at::Tensor();
+  }
+  at::Tensor flat = at::empty({s * world_size()}, piece.options());
+  flat.narrow(0, 0, s).copy_(piece);
+  for (int r = 1; r < world_size(); ++r) context_.receive(flat.narrow(0, r * s, s), r, what);
+  return flat;
+}
+
+std::unique_ptr<torch::optim::Optimizer> ShardedDataParallel::gather_full_state(torch::optim::Optimizer& sharded,
+                                                                                const OptimizerSpec& spec) {
+  TORCH_CHECK(stage_ == 3, "gather_full_state: only at ZeRO stage 3 are the weights sharded");
+  check_option(spec.state != StatePrecision::k8Bit, "optimizer.state", "8bit",
+               "saving at ZeRO 3 needs fp32 state (8-bit blocks would straddle parameters)");
+  at::NoGradGuard no_grad;
+  const char* what = "gathering the weights and optimizer state on rank 0 (ZeRO 3)";
+  std::unique_ptr<torch::optim::Optimizer> full = rank() == 0 ? make_optimizer(spec, parameters_) : nullptr;
+  for (auto& b : shards_) {
+    const at::Tensor weights = gather_to_rank0(b.shard.detach(), b.shard_numel, what);
+    if (rank() == 0) set_views(b, weights);
+    auto it = sharded.state().find(param_state_key(b.shard));
+    if (it == sharded.state().end()) continue;  // not stepped yet: on every rank alike
+    const ParamStateRecord mine = read_param_state(*it->second);
+    std::vector<ParamStateRecord> records(b.params.size(), ParamStateRecord{mine.step, {}});
+    for (const at::Tensor& slot : mine.tensors) {
+      const at::Tensor flat = slot.defined() ? gather_to_rank0(slot, b.shard_numel, what) : at::Tensor();
+      for (size_t i = 0; i < b.params.size(); ++i) {
+        const bool have = flat.defined();
+        records[i].tensors.push_back(have ? flat.narrow(0, b.offsets[i], b.params[i].numel()).view(b.shapes[i]) : at::Tensor());
+      }
+    }
+    if (rank() != 0) continue;
+    for (size_t i = 0; i < b.params.size(); ++i) full->state()[param_state_key(b.params[i])] = make_param_state(spec, records[i]);
+  }
+  return full;
+}
+
+void ShardedDataParallel::release_gathered_state() {
+  TORCH_CHECK(stage_ == 3, "release_gathered_state: only at ZeRO stage 3 are the weights sharded");
+  if (rank() != 0) return;
+  for (auto& b : shards_) release(b);
+}
+
+void ShardedDataParallel::load_full_state(const std::function<void(torch::optim::Optimizer& full)>& load,
+                                          torch::optim::Optimizer& sharded, const OptimizerSpec& spec) {
+  TORCH_CHECK(stage_ == 3, "load_full_state: only at ZeRO stage 3 are the weights sharded");
+  check_option(spec.state != StatePrecision::k8Bit, "optimizer.state", "8bit",
+               "resuming at ZeRO 3 needs fp32 state (8-bit blocks would straddle parameters)");
+  FullWeights gathered(*this);  // the whole parameters to load into
+  auto full = make_optimizer(spec, parameters_);
+  load(*full);
+  at::NoGradGuard no_grad;
+  for (auto& b : shards_) {
+    std::vector<at::Tensor> flat_parts;
+    for (const auto& p : b.params) flat_parts.push_back(p.detach().reshape({-1}));
+    b.shard.detach().copy_(own_range(b, at::cat(flat_parts)));
+    auto first = full->state().find(param_state_key(b.params.front()));
+    if (first == full->state().end()) continue;  // saved before any step
+    ParamStateRecord mine{read_param_state(*first->second).step, {}};
+    std::vector<ParamStateRecord> records;
+    for (const auto& p : b.params) records.push_back(read_param_state(*full->state().at(param_state_key(p))));
+    for (size_t slot = 0; slot < records.front().tensors.size(); ++slot) {
+      if (!records.front().tensors[slot].defined()) {
+        mine.tensors.emplace_back();
+        continue;
+      }
+      std::vector<at::Tensor> parts;
+      for (const auto& r : records) parts.push_back(r.tensors[slot].reshape({-1}));
+      mine.tensors.push_back(own_range(b, at::cat(parts)));
+    }
+    sharded.state()[param_state_key(b.shard)] = make_param_state(spec, mine);
+  }
+}
+
+ShardedDataParallel::FullWeights::FullWeights(ShardedDataParallel& sdp) : sdp_(sdp) {
+  TORCH_CHECK(sdp_.stage_ == 3, "FullWeights: only at ZeRO stage 3 are the weights sharded");
+  sdp_.chain_->set_block_runner({});
+  for (auto& b : sdp_.shards_) sdp_.gather(b);
+}
+
+ShardedDataParallel::FullWeights::~FullWeights() {
+  for (auto& b : sdp_.shards_) sdp_.release(b);
+  sdp_.install_runner();
 }
 
 }  // namespace memfit

@@ -106,13 +106,19 @@ nlohmann::json read_manifest(const fs::path& dir) {
 
 }  // namespace
 
-std::string weights_sha256(const torch::nn::Module& module) {
+std::string weights_sha256(const std::function<void(const ParameterVisitor&)>& visit_all) {
   Sha256 sha;
-  for (const auto& p : module.parameters()) {
+  visit_all([&](const at::Tensor& p) {
     const auto c = p.detach().to(c10::kCPU).contiguous();
     sha.add(c.data_ptr(), static_cast<size_t>(c.numel()) * c.element_size());
-  }
+  });
   return sha.hex();
+}
+
+std::string weights_sha256(const torch::nn::Module& module) {
+  return weights_sha256([&](const ParameterVisitor& visit) {
+    for (const auto& p : module.parameters()) visit(p);
+  });
 }
 
 void save_state(const fs::path& dir, const torch::nn::Module& model, torch::optim::Optimizer& optimizer,

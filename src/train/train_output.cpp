@@ -2,6 +2,7 @@
 // the JSON-lines log and the HTML report.
 #include <torch/torch.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstdio>
 #include <filesystem>
@@ -83,7 +84,7 @@ nlohmann::json StepHistory::json() const {
 
 void print_header(TrainerState& t) {
   t.out << "memfit train: " << t.w.description << "\n";
-  t.out << "  " << parameter_count(*t.w.chain) << " parameters (" << format_bytes(parameter_bytes(*t.w.chain))
+  t.out << "  " << t.parameter_count << " parameters (" << format_bytes(t.parameter_bytes)
         << "), batch " << t.o.batch << ", " << t.o.optimizer.describe() << ", " << at::get_num_threads()
         << " threads, " << t.o.device.str() << "\n";
   for (const auto& n : t.w.notes) t.out << "  note: " << n << "\n";
@@ -216,6 +217,11 @@ void write_report(TrainerState& t) {
     for (const auto& r : s.ranks) ranks.push_back(r.bytes);
     d["ranks"] = ranks_json(ranks);
     d["zero_stage"] = s.zero_stage;
+    if (t.sharded_weights()) {
+      int64_t largest = 0;
+      for (const auto& b : t.sdp->block_bytes()) largest = std::max(largest, b.full);
+      d["largest_gathered_block_bytes"] = largest;
+    }
   }
   d["steps"] = t.history.json();
   write_html_report(t.o.report_html, d);

@@ -7,6 +7,7 @@
 #include <cmath>
 #include <filesystem>
 #include <iostream>
+#include <optional>
 
 #include "memfit/errors.h"
 #include "memfit/measure/breakdown.h"
@@ -25,13 +26,35 @@ namespace {
 constexpr double kMargin = 0.03;  // the plan keeps 3% of the budget free for what it cannot see
 
 // Every parameter as raw float32, in order: for comparing runs within a tolerance.
-void dump_weights(const std::string& path, const std::vector<at::Tensor>& params) {
+void write_floats(std::ofstream& f, const at::Tensor& p) {
+  const at::Tensor c = p.detach().to(c10::kCPU, at::kFloat).contiguous();
+  f.write(static_cast<const char*>(c.data_ptr()), static_cast<std::streamsize>(c.numel() * 4));
+}
+
+std::ofstream open_dump(const std::string& path) {
   std::ofstream f(path, std::ios::binary);
   check_option(static_cast<bool>(f), "dump_weights", "'" + path + "'", "cannot create it");
-  for (const auto& p : params) {
-    const at::Tensor c = p.detach().to(c10::kCPU, at::kFloat).contiguous();
-    f.write(static_cast<const char*>(c.data_ptr()), static_cast<std::streamsize>(c.numel() * 4));
-  }
+  return f;
+}
+
+void dump_weights(const std::string& path, const std::vector<at::Tensor>& params) {
+  std::ofstream f = open_dump(path);
+  for (const auto& p : params) write_floats(f, p);
+}
+
+// ZeRO 3 (every rank calls it): the weights' hash, and their dump where `dump_path` is given,
+// gathering one block at a time. The same bytes, in the same order, as a single process's.
+std::string gathered_weights_sha256(ShardedDataParallel& sdp, const std::string& dump_path) {
+  std::ofstream f;
+  if (!dump_path.empty()) f = open_dump(dump_path);
+  return weights_sha256([&](const ParameterVisitor& visit) {
+    sdp.for_each_gathered_block([&](const std::vector<at::Tensor>& params) {
+      for (const auto& p : params) {
+        visit(p);
+        if (f.is_open()) write_floats(f, p);
+      }
+    });
+  });
 }
 
 }  // namespace
@@ -65,6 +88,11 @@ void check_train_options(const TrainOptions& o, const Workload& w) {
                    std::to_string(o.batch) + " over " + std::to_string(world) + " ranks)");
   check_option(!(world > 1 && o.distributed.zero_stage > 0 && o.precision == "fp16"), "precision", o.precision,
                "fp16 with ZeRO 1 or 2 is not supported: the loss scaler's overflow check would see one shard only");
+  const bool zero3 = world > 1 && o.distributed.zero_stage == 3;
+  check_option(!(zero3 && (!o.save_dir.empty() || !o.resume_dir.empty()) && o.optimizer.state == StatePrecision::k8Bit),
+               "optimizer.state", "8bit", "saving and resuming at ZeRO 3 need fp32 state (8-bit blocks would straddle parameters)");
+  check_option(!(zero3 && o.checkpoint && o.checkpoint->recomputed_blocks().size() != static_cast<size_t>(w.chain->size())),
+               "checkpoint", o.checkpoint ? o.checkpoint->describe() : "", "ZeRO 3 recomputes every block: expected all");
   check_option(o.budget_bytes > 0 || (o.micro_batch == 0 && !o.checkpoint), "budget", "(none)",
                "a budget is required when the micro-batch or the checkpoint schedule is pinned");
 }
@@ -103,6 +131,8 @@ void Trainer::set_up() {
   t.scope = std::make_unique<TrackerScope>(t.tracker);
   t.w.chain->to(t.o.device);
   t.params = t.w.chain->parameters();
+  t.parameter_count = parameter_count(*t.w.chain);
+  t.parameter_bytes = parameter_bytes(*t.w.chain);
   adopt_tensors(*t.tracker, t.params);  // the caller built them before this tracker existed
   adopt_tensors(*t.tracker, t.w.chain->buffers());
   // What else the budget counts from the start (the caller's data tensors, say): the plan
@@ -110,7 +140,8 @@ void Trainer::set_up() {
   t.resident_bytes = std::max<int64_t>(0, t.alloc->allocated() - t.tracker->current());
   if (t.o.distributed.enabled()) {  // first: a bad --master fails before any work
     t.context = std::make_unique<DistributedContext>(t.o.distributed);
-    t.sdp = std::make_unique<ShardedDataParallel>(*t.context, t.params, t.o.distributed.zero_stage);
+    // At stage 3 the chain's parameters lose their storage here: this rank keeps its shards.
+    t.sdp = std::make_unique<ShardedDataParallel>(*t.context, *t.w.chain, t.o.distributed.zero_stage);
     t.context->check_same_on_all_ranks(
         {{"batch", t.o.batch}, {"steps", t.o.steps}, {"seed", static_cast<int64_t>(t.w.seed)},
          {"optimizer", static_cast<int64_t>(t.o.optimizer.family)},
@@ -162,7 +193,11 @@ void Trainer::resume() {
                              optimizer_family_name(t.o.optimizer.family));
   }
   resume_state_precision(meta, where);
-  if (t.sharded_optimizer()) {
+  if (t.sharded_weights()) {
+    // The whole model and state are loaded, then each rank keeps its shards of them.
+    t.sdp->load_full_state([&](torch::optim::Optimizer& full) { saved.load_into(*t.w.chain, full, t.o.device); },
+                           *t.optimizer, t.optimizer_spec);
+  } else if (t.sharded_optimizer()) {
     // The file holds the whole state (the single-process format): keep this rank's share.
     auto full = make_optimizer(t.optimizer_spec, t.params);
     saved.load_into(*t.w.chain, *full, t.o.device);
@@ -183,8 +218,11 @@ void Trainer::make_planner() {
   const Batch first = t.w.data->train_batch(t.start_step, t.o.batch, t.w.seed).slice(t.local.start, t.local.length).to(t.o.device);
   const RngState rng = capture_rng(t.o.device);  // measuring draws dropout masks: training must not notice
   const auto optimized = t.sdp ? t.sdp->optimized_parameters() : t.params;
+  std::optional<ShardedDataParallel::FullWeights> full;  // ZeRO 3: profiled as one process runs it (before the budget)
+  if (t.sharded_weights()) full.emplace(*t.sdp);
   MeasuredCosts costs = measure_costs(t.w, first, precisions, t.o.optimizer, optimized, *t.tracker, t.o.profile_cache,
                                       t.costs_source);
+  full.reset();
   t.plan.notes.insert(t.plan.notes.end(), t.costs_source.notes.begin(), t.costs_source.notes.end());
   PlanRequest request;
   request.step.device = t.o.device;
@@ -197,11 +235,23 @@ void Trainer::make_planner() {
   request.resident_bytes = t.resident_bytes;
   request.optimizer = costs.optimizer.front();
   request.optimizer_alternatives.assign(costs.optimizer.begin() + 1, costs.optimizer.end());
+  const bool saves = !t.o.save_dir.empty() || !t.o.resume_dir.empty();
+  if (t.sharded_weights() && saves) request.optimizer_alternatives.clear();  // fp32 state: saving splits it by parameter
   // Per rank: the gradients kept through the optimizer step (only this rank's share at ZeRO
   // stage 2), and, on rank 0 of a sharded run that saves, the whole state gathered to save.
-  request.gradient_bytes = predicted_rank_states(t.params, t.o.distributed.world_size, t.o.distributed.zero_stage, 0)
-                               .at(static_cast<size_t>(t.o.distributed.rank)).gradients;
-  if (t.sharded_optimizer() && t.primary && !t.o.save_dir.empty()) {
+  if (t.sharded_weights()) {
+    request.gathered_blocks = t.sdp->block_bytes();
+    request.gradient_bytes = t.sdp->owned_bytes();
+    request.checkpoint = CheckpointPlan::all(t.w.chain->size());  // what gathering does anyway
+  } else {
+    request.gradient_bytes = predicted_rank_states(t.params, t.o.distributed.world_size, t.o.distributed.zero_stage, 0)
+                                 .at(static_cast<size_t>(t.o.distributed.rank)).gradients;
+  }
+  if (t.sharded_weights() && t.primary && !t.o.save_dir.empty()) {
+    // Saving at stage 3: rank 0 holds the whole weights and state beside its shards.
+    const double per_byte = static_cast<double>(costs.front().state_bytes) / static_cast<double>(std::max<int64_t>(1, t.sdp->owned_bytes()));
+    request.extra_bytes = t.sdp->parameter_bytes() + std::llround(per_byte * static_cast<double>(t.sdp->parameter_bytes()));
+  } else if (t.sharded_optimizer() && t.primary && !t.o.save_dir.empty()) {
     int64_t owned = 0;
     for (const auto& p : optimized) owned += static_cast<int64_t>(p.nbytes());
     // (With state auto, the larger of the candidate states: a safe bound for either.)
@@ -328,7 +378,7 @@ void Trainer::update(bool last) {
   KnownStorage known;
   so.after_optimizer = [&] {  // this rank's state bytes, while gradients and optimizer state are all present
     if (t.tracker->recording()) t.tracker->stop_recording();
-    known = known_storage(t.params, optimizer_state_tensors(*t.optimizer), t.w.chain->buffers());
+    known = known_storage(t.held_parameters(), optimizer_state_tensors(*t.optimizer), t.w.chain->buffers());
     const Categories live = classify_live(*t.tracker, known);
     t.own_state = {live.weights, live.gradients, live.optimizer_state};
   };
@@ -443,11 +493,15 @@ void Trainer::save(int64_t step) {
                             {"batch", t.o.batch},
                             {"seed", t.w.seed},
                             {"model", t.w.description},
-                            {"parameters", parameter_count(*t.w.chain)},
+                            {"parameters", t.parameter_count},
                             {"optimizer", optimizer_family_name(t.o.optimizer.family)},
                             {"optimizer_state", state_precision_name(t.optimizer_spec.state)},
                             {"plan", plan_json(t.plan)}};
   t.last_saved_step = step;
+  if (t.sharded_weights()) {
+    save_gathered(meta);
+    return;
+  }
   if (t.sharded_optimizer()) {
     // Rank 0 saves the whole state, gathered from its owners: the single-process format.
     auto full = t.sdp->gather_optimizer_state(*t.optimizer, t.optimizer_spec);
@@ -464,6 +518,23 @@ void Trainer::save(int64_t step) {
   }
 }
 
+void Trainer::save_gathered(const nlohmann::json& meta) {
+  // ZeRO 3: rank 0 gathers the whole weights and state, saves the single-process format (and
+  // the model file), then lets them go.
+  TrainerState& t = *impl_;
+  auto full = t.sdp->gather_full_state(*t.optimizer, t.optimizer_spec);
+  if (t.primary) {
+    save_state(t.o.save_dir, *t.w.chain, *full, meta, t.o.device);
+    if (t.w.save_model) {
+      const std::string path = t.o.save_dir + "/model.pt";
+      t.w.save_model(path + ".tmp");
+      std::filesystem::rename(path + ".tmp", path);
+    }
+  }
+  full.reset();
+  t.sdp->release_gathered_state();
+}
+
 // --- summary -------------------------------------------------------------------------------------
 
 TrainSummary Trainer::summarize() {
@@ -471,8 +542,12 @@ TrainSummary Trainer::summarize() {
   TORCH_CHECK(t.log != nullptr, "memfit::Trainer: call set_up() and plan() before summarize()");
   TrainSummary& s = t.summary;
   s.seconds = std::chrono::duration<double>(TrainClock::now() - t.run_start).count();
-  s.weights_sha256 = weights_sha256(*t.w.chain);
-  if (!t.o.dump_weights.empty()) dump_weights(t.o.dump_weights, t.params);
+  if (t.sharded_weights()) {
+    s.weights_sha256 = gathered_weights_sha256(*t.sdp, t.o.dump_weights);
+  } else {
+    s.weights_sha256 = weights_sha256(*t.w.chain);
+    if (!t.o.dump_weights.empty()) dump_weights(t.o.dump_weights, t.params);
+  }
   s.world_size = t.o.distributed.world_size;
   s.zero_stage = t.o.distributed.zero_stage;
   s.budget_bytes = t.budget;
@@ -531,7 +606,7 @@ void Trainer::stop_on_nonfinite_loss(int64_t step, double loss, const RngState& 
   // The weights are still those after the previous step: save them as they are (with the
   // random stream as the step found it), and stop.
   TrainerState& t = *impl_;
-  zero_grad(t.params, true);
+  zero_grad(t.held_parameters(), true);
   restore_rng(rng_at_start);
   std::string saved;
   if (!t.o.save_dir.empty() && step > 1) {

@@ -99,7 +99,14 @@ struct TrainerState {
   nlohmann::json last_step_doc;     // the last step, analysed for the HTML report
   TrainClock::time_point run_start;
 
+  int64_t parameter_count = 0;      // of the whole model (counted before ZeRO 3 shards it)
+  int64_t parameter_bytes = 0;
+
   bool sharded_optimizer() const { return sdp && sdp->zero_stage() > 0; }
+  bool sharded_weights() const { return sdp && sdp->zero_stage() == 3; }
+  // The tensors holding this rank's weights (and gradients): the parameters, or at ZeRO 3
+  // this rank's shards of them.
+  std::vector<at::Tensor> held_parameters() const { return sharded_weights() ? sdp->optimized_parameters() : params; }
   StepOptions step_options();
 };
 

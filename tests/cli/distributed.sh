@@ -212,7 +212,7 @@ one_line_error() {  # args: expected-text, command...
 }
 quick=("${small[@]}" --budget 64MiB --threads 1)
 one_line_error "invalid --rank 2: expected 0 to 1" "$memfit" train "${quick[@]}" --world-size 2 --rank 2
-one_line_error "invalid --zero 3" "$memfit" train "${quick[@]}" --world-size 2 --zero 3
+one_line_error "invalid --zero 4" "$memfit" train "${quick[@]}" --world-size 2 --zero 4
 one_line_error "invalid --master 'nowhere'" "$memfit" train "${quick[@]}" --world-size 2 --master nowhere
 port=$(free_port)
 one_line_error "cannot reach --master 127.0.0.1:$port within 2 s" "$memfit" train "${quick[@]}" --world-size 2 --rank 1 --master 127.0.0.1:$port --dist-timeout 2

@@ -181,11 +181,12 @@ cases() {
   for v in 0 -0; do echo "t|--rank|ok|$v|--world-size=1"; done
   echo "t|--rank|refuse|1|"
   echo "t|--world-size|refuse|3|--batch=2"
-  for v in 3 -1 1.5 abc _EMPTY_ 2147483648 18446744073709551616; do
+  for v in 4 -1 1.5 abc _EMPTY_ 2147483648 18446744073709551616; do
     echo "t|--zero|refuse|$v|"
     echo "r|--zero|refuse|$v|--world-size=2"
   done
-  echo "t|--zero|REFUSE|3|"
+  echo "t|--zero|REFUSE|4|"
+  echo "t|--zero|ok|3|"  # (one process: nothing to shard)
   for v in 0 3 -1 _EMPTY_ 2147483648; do echo "r|--world-size|refuse|$v|--batch=2"; done
 
   # Paths: where output cannot be written, or state cannot be read. Outputs only ever go under

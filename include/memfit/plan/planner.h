@@ -24,6 +24,7 @@
 
 #include "memfit/plan/profile.h"
 #include "memfit/plan/profile_cache.h"
+#include "memfit/plan/rank_states.h"
 #include "memfit/plan/schedule.h"
 #include "memfit/runtime/step_config.h"
 
@@ -43,6 +44,11 @@ struct PlanRequest {
   int64_t extra_bytes = 0;                   // alive beside the optimizer step (state gathered to save)
   int64_t resident_bytes = 0;                // alive all along, counted by the budget but not profiled
                                              // (the caller's data tensors, other models)
+  // ZeRO 3 (empty otherwise): per block, its weights in full and this rank's shard. Weights
+  // and gradients held are then the shards; a block's full weights are added around its
+  // forward, recompute and backward (one block at a time); every block is recomputed, so
+  // `checkpoint` must be every block (the trainer pins it).
+  std::vector<GatheredBlockBytes> gathered_blocks;
 };
 
 // "auto": fp32, then the mixed precisions autocast runs on `device` (bf16 on CPU; bf16 and
@@ -97,6 +103,8 @@ class Planner {
   ChainCosts costs_at(int64_t m, const PrecisionProfile& p, const OptimizerCost& optimizer) const;
   double chain_seconds(int64_t m, const PrecisionProfile& p) const;
   int64_t optimizer_peak(const OptimizerCost& optimizer) const;
+  int64_t weight_bytes() const;  // held through the step: all weights, or this rank's shards (ZeRO 3)
+  void add_gathered_blocks(ChainCosts& costs) const;
   Plan prediction_base(int64_t budget) const;
   Plan best_plan_of(const PrecisionProfile& p, const OptimizerCost& optimizer, int64_t usable) const;
   Plan best_plan_with(const OptimizerCost& optimizer, int64_t usable) const;

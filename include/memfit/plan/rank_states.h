@@ -1,10 +1,12 @@
-// rank_states.h — each data-parallel rank's share of the training state at ZeRO stages 0-2,
+// rank_states.h — each data-parallel rank's share of the training state at ZeRO stages 0-3,
 // predicted from the parameters alone (no process group needed): what `memfit report
 // --world-size N --zero S` shows, and what each rank of `memfit train` plans with.
 //
 // Parameters are partitioned in order into contiguous ranges balanced by bytes; a rank steps
 // (and keeps optimizer state for) its own range at stages 1 and 2, and at stage 2 keeps only
-// its range's gradients at the optimizer step.
+// its range's gradients at the optimizer step. At stage 3 each block's parameters are laid
+// out flat, padded to a multiple of the world size, and every rank keeps an equal piece of
+// each block (weights, gradients and optimizer state): ~1/N of each, per rank.
 #pragma once
 
 #include <ATen/ATen.h>
@@ -18,6 +20,15 @@ namespace memfit {
 // bytes holds its middle byte. Throws OptionError unless world_size >= 1.
 std::vector<int> partition_by_bytes(const std::vector<at::Tensor>& parameters, int world_size);
 
+// ZeRO 3: one block's parameter bytes in full (gathered around its forward and backward) and
+// each rank's piece of them.
+struct GatheredBlockBytes {
+  int64_t full = 0;
+  int64_t shard = 0;
+};
+// Elements per rank of a block of `numel` elements over `world_size` ranks (padded).
+int64_t shard_numel(int64_t numel, int world_size);
+
 // Bytes of the training state on one rank at the optimizer step.
 struct RankStateBytes {
   int64_t weights = 0;
@@ -28,8 +39,13 @@ struct RankStateBytes {
 // Every rank's state bytes at `zero_stage` over `world_size` ranks. optimizer_state_per_byte:
 // the optimizer's state bytes per parameter byte (AdamW 2, SGD with momentum 1, plain SGD 0;
 // measured: profile.h's measure_optimizer over all parameters, divided by their bytes).
-// Throws OptionError for a stage other than 0, 1, 2 or a world size below 1.
+// block_of_parameter (stage 3): each parameter's block, non-decreasing; empty: each
+// parameter its own block. Throws OptionError for a stage outside 0-3 or a world size below 1.
 std::vector<RankStateBytes> predicted_rank_states(const std::vector<at::Tensor>& parameters, int world_size,
-                                                  int zero_stage, double optimizer_state_per_byte);
+                                                  int zero_stage, double optimizer_state_per_byte,
+                                                  const std::vector<int>& block_of_parameter = {});
+
+// ZeRO 3: per block of `blocks` (each block's parameters), its bytes in full and per rank.
+std::vector<GatheredBlockBytes> gathered_block_bytes(const std::vector<std::vector<at::Tensor>>& blocks, int world_size);
 
 }  // namespace memfit

@@ -43,6 +43,9 @@ struct Report {
   std::vector<bool> block_recomputed;
   double loss = 0;
   std::vector<RankStateBytes> ranks;  // world_size entries (one when not distributed)
+  // ZeRO 3: the largest block's weights, which each rank gathers in full while it runs (on
+  // top of the shards above, with that block's full gradients until they are reduced).
+  int64_t largest_gathered_block_bytes = 0;
 };
 
 // Runs `options.steps` steps of the workload under a MemoryTracker of its own (installed on

@@ -13,6 +13,7 @@
 
 #include <torch/nn/module.h>
 
+#include <functional>
 #include <memory>
 #include <string>
 #include <utility>
@@ -47,6 +48,11 @@ struct CheckpointPlan {
 
 using BlockForward = BlockFn;
 
+// Runs block `index` on `x` in place of the chain's own call, given `run`, the block's own
+// forward (tagged with its index): ZeRO 3 (train/distributed.h) gathers the block's sharded
+// weights around it and recomputes it in backward.
+using BlockRunner = std::function<at::Tensor(int index, const at::Tensor& x, const BlockFn& run)>;
+
 struct Block {
   std::string name;
   std::shared_ptr<torch::nn::Module> module;  // owns the block's parameters
@@ -68,13 +74,20 @@ class Chain : public torch::nn::Module {
   std::vector<at::Tensor> block_buffers(int first, int last) const;
 
   // Runs all blocks, checkpointing the plan's segments; each block's allocations are tagged
-  // with its index for the memory tracker.
+  // with its index for the memory tracker. With a block runner set, every block goes through
+  // it instead and the plan is not used (the runner decides what is kept).
   at::Tensor forward(const at::Tensor& input, const CheckpointPlan& plan = {});
+  // Empty: none (the default).
+  void set_block_runner(BlockRunner runner) { runner_ = std::move(runner); }
+  const BlockRunner& block_runner() const { return runner_; }
   // Runs blocks [first, last] without checkpointing.
   at::Tensor run_blocks(const at::Tensor& input, int first, int last);
 
  private:
+  at::Tensor run_through_runner(const at::Tensor& input);
+
   std::vector<Block> blocks_;
+  BlockRunner runner_;
 };
 
 }  // namespace memfit

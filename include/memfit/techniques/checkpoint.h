@@ -28,4 +28,23 @@ using BlockFn = std::function<at::Tensor(const at::Tensor&)>;
 
 at::Tensor checkpoint(BlockFn block, const at::Tensor& input, at::TensorList params, std::vector<at::Tensor> buffers = {});
 
+// A block whose parameters exist in full only while gathered (ZeRO 3, train/distributed.h):
+// the hooks make `params` hold their full values, free them again, and turn the full
+// gradients of `params` (undefined where unused) into this process's shard's gradient.
+struct GatheredParams {
+  std::vector<at::Tensor> params;
+  std::function<void()> gather;
+  std::function<void()> release;
+  std::function<at::Tensor(std::vector<at::Tensor> full_grads)> reduce;
+};
+
+// checkpoint() for such a block: forward gathers, runs the block without grad, releases and
+// keeps only `input`; backward gathers again, recomputes with grad (random, autocast and
+// buffer state as in checkpoint()), differentiates, releases, and returns reduce(full grads)
+// as the gradient of `shard` (a leaf holding this process's part of the parameters). Outside
+// grad mode the block runs between gather and release. Every process must run the same blocks
+// in the same order: the hooks may be collectives.
+at::Tensor checkpoint_gathered(BlockFn block, const at::Tensor& input, const at::Tensor& shard, GatheredParams gathered,
+                               std::vector<at::Tensor> buffers = {});
+
 }  // namespace memfit

@@ -1,19 +1,36 @@
 // distributed.h — data-parallel training over torch.distributed's C++ core (c10d), with the
-// optimizer state (ZeRO stage 1) and the gradients (stage 2) sharded across ranks.
+// optimizer state (ZeRO stage 1), the gradients (stage 2) and the weights (stage 3) sharded
+// across ranks.
 //
-// Every rank holds all weights and runs forward + backward on its contiguous slice of the
-// global batch, each micro-batch's loss weighted by its share of the *global* batch; gradients
-// are SUM-reduced, so the update equals single-process training on the same global batch.
+// Every rank runs forward + backward on its contiguous slice of the global batch (and, at
+// stages 0-2, holds all weights), each micro-batch's loss weighted by its share of the
+// *global* batch; gradients are SUM-reduced, so the update equals single-process training on
+// the same global batch.
 //
 //   stage 0: gradients all-reduced, every rank runs the optimizer over every parameter;
 //   stage 1: gradients all-reduced, rank r runs the optimizer only over the parameters it owns
 //            (a contiguous range, balanced by bytes): optimizer state per rank ~ 1/N; owners
 //            broadcast the updated parameters;
 //   stage 2: as 1, but each gradient is reduced to its owner only and the others release
-//            theirs (set to none): gradient bytes per rank at the optimizer step ~ 1/N.
+//            theirs (set to none): gradient bytes per rank at the optimizer step ~ 1/N;
+//   stage 3: weights, gradients and optimizer state all ~ 1/N per rank. Each block's
+//            parameters are laid out flat (in order, padded to a multiple of N) and rank r
+//            keeps elements [r*s, (r+1)*s) as one leaf tensor, its shard, which the optimizer
+//            steps (any family: elementwise ones give single-process numbers). Between uses
+//            the chain's parameters hold no storage. The chain runs each block through
+//            checkpoint_gathered (techniques/checkpoint.h): its parameters are gathered (one
+//            c10d broadcast per owner) before its forward and again before its recompute and
+//            backward, released after each, and as soon as its backward ends its full
+//            gradients are summed for their owners, range by range, along a chain of c10d
+//            sends in rank order (Gloo has no reduce_scatter, and its reduce sums in an order
+//            of its own): the sums, so the weights, equal single-process training bit for bit.
+//            At most one block is gathered at a time (no prefetch). Construct it from the
+//            Chain; optimized_parameters() are the shards. Saving gathers every shard of the
+//            weights and of the (fp32) optimizer state on rank 0, in the single-process
+//            format; resuming loads the whole state and keeps this rank's shards.
 //
 //   memfit::DistributedContext ctx(options);                  // rendezvous at options.master
-//   memfit::ShardedDataParallel sdp(ctx, chain->parameters(), 2);
+//   memfit::ShardedDataParallel sdp(ctx, *chain, 2);           // stage 3 likewise, from the chain
 //   auto optimizer = memfit::make_optimizer(spec, sdp.optimized_parameters());  // any family
 //   for (...) { forward_backward(... weight = samples / global batch ...);
 //               sdp.reduce_gradients(); optimizer->step(); sdp.finish_step(set_to_none); }
@@ -26,6 +43,7 @@
 #include <torch/optim/optimizer.h>
 
 #include <cstdint>
+#include <functional>
 #include <memory>
 #include <stdexcept>
 #include <string>
@@ -33,6 +51,7 @@
 #include <vector>
 
 #include "memfit/plan/rank_states.h"
+#include "memfit/runtime/chain.h"
 #include "memfit/runtime/optimizer.h"
 
 namespace memfit {
@@ -41,7 +60,7 @@ struct DistributedOptions {
   int world_size = 1;                   // 1: not distributed
   int rank = 0;
   std::string master = "127.0.0.1:29500";  // HOST:PORT of the rendezvous store rank 0 opens
-  int zero_stage = 0;                   // 0, 1 or 2 (see above)
+  int zero_stage = 0;                   // 0 to 3 (see above)
   double timeout_seconds = 30;          // rendezvous and every collective
   std::string backend = "auto";         // auto (gloo on CPU) | gloo | nccl
   bool enabled() const { return world_size > 1; }
@@ -113,6 +132,13 @@ class ShardedDataParallel {
   // every rank has the same number and bytes of parameters, and broadcasts rank 0's weights so
   // that all ranks start equal.
   ShardedDataParallel(DistributedContext& context, std::vector<at::Tensor> parameters, int zero_stage);
+  // Any stage; stage 3 needs the chain (the unit gathered is its block). The chain's
+  // parameters lose their storage here and it runs its blocks through this object from now
+  // on: it must outlive every forward and backward of the chain.
+  ShardedDataParallel(DistributedContext& context, Chain& chain, int zero_stage);
+  ~ShardedDataParallel();
+  ShardedDataParallel(const ShardedDataParallel&) = delete;
+  ShardedDataParallel& operator=(const ShardedDataParallel&) = delete;
 
   int zero_stage() const { return stage_; }
   int rank() const { return context_.rank(); }
@@ -120,15 +146,16 @@ class ShardedDataParallel {
   int owner(size_t parameter_index) const { return owner_.at(parameter_index); }
   bool owns(size_t parameter_index) const { return owner(parameter_index) == rank(); }
 
-  // What this rank's optimizer must step: every parameter at stage 0, its own range at 1 and 2.
+  // What this rank's optimizer must step: every parameter at stage 0, its own range at 1 and
+  // 2, its shard of every block with parameters at 3.
   std::vector<at::Tensor> optimized_parameters() const;
-  // Bytes of all parameters, and of this rank's range.
+  // Bytes of all parameters, and of this rank's range (stage 3: its shards, padding included).
   int64_t parameter_bytes() const { return total_bytes_; }
   int64_t owned_bytes() const { return owned_bytes_; }
 
   // After the last micro-batch's backward: SUM-reduce the gradients (all-reduce at stages 0
   // and 1; reduce to each owner at stage 2, the others released). A parameter without a
-  // gradient on this rank contributes zeros.
+  // gradient on this rank contributes zeros. Nothing at stage 3 (backward reduced them).
   void reduce_gradients();
   // After the optimizer step (which released or zeroed the gradients of the optimized
   // parameters): at stages 1 and 2 owners broadcast their updated parameters, and at stage 1
@@ -145,7 +172,61 @@ class ShardedDataParallel {
   // parameters this rank owns, moved into `sharded`.
   void keep_owned_state(torch::optim::Optimizer& full, torch::optim::Optimizer& sharded) const;
 
+  // Stage 3 (every rank calls them) ---------------------------------------------------------
+  // Each block of the chain: its parameters' bytes in full, and this rank's shard of them
+  // (0 and 0 for a block without parameters). What the planner counts.
+  std::vector<GatheredBlockBytes> block_bytes() const;
+  // Gathers the blocks one at a time, in order, calls `visit` with each block's parameters
+  // (full values) and releases them: hashing, dumping. One block's bytes at a time.
+  void for_each_gathered_block(const std::function<void(const std::vector<at::Tensor>&)>& visit);
+  // Saving: rank 0 receives every block's shards of the weights, into the chain's
+  // parameters, and of the optimizer state (of `spec`: fp32 state, any family), into the
+  // returned optimizer over those parameters: the single-process format, saved from rank 0;
+  // other ranks get nullptr. Rank 0 holds the whole weights and state until
+  // release_gathered_state() (the trainer plans for those bytes, as for stages 1 and 2).
+  std::unique_ptr<torch::optim::Optimizer> gather_full_state(torch::optim::Optimizer& sharded, const OptimizerSpec& spec);
+  void release_gathered_state();
+  // Resuming: `load` fills whole parameters (the chain's, every block gathered meanwhile) and
+  // a whole optimizer of `spec` over them from a saved file; each rank then keeps its shards of
+  // the weights and of the state (moved into `sharded`) and the rest is released.
+  void load_full_state(const std::function<void(torch::optim::Optimizer& full)>& load, torch::optim::Optimizer& sharded,
+                       const OptimizerSpec& spec);
+  // Every block gathered and the chain running plainly, for the life of the scope: profiling
+  // the model as a single process would run it (it holds the whole model meanwhile).
+  class FullWeights {
+   public:
+    explicit FullWeights(ShardedDataParallel& sdp);
+    ~FullWeights();
+    FullWeights(const FullWeights&) = delete;
+    FullWeights& operator=(const FullWeights&) = delete;
+
+   private:
+    ShardedDataParallel& sdp_;
+  };
+
  private:
+  // Stage 3: one block's parameters, laid out flat.
+  struct BlockShard {
+    int block = 0;
+    std::vector<at::Tensor> params;  // the chain's; 0 elements while not gathered
+    std::vector<int64_t> offsets;    // each parameter's first element in the flat layout
+    std::vector<std::vector<int64_t>> shapes;  // each parameter's shape in full
+    int64_t numel = 0;               // the parameters' elements
+    int64_t shard_numel = 0;         // s: each rank's elements, numel padded to a multiple of N, / N
+    at::Tensor shard;                // this rank's s elements: a leaf requiring grad
+  };
+  ShardedDataParallel(DistributedContext& context, std::vector<at::Tensor> parameters, int zero_stage, Chain* chain);
+  void shard_blocks();
+  void install_runner();  // the chain runs its blocks through run_block
+  void gather(BlockShard& b);
+  void set_views(BlockShard& b, const at::Tensor& flat);  // the parameters become views of a flat block
+  at::Tensor own_range(const BlockShard& b, const at::Tensor& flat) const;  // this rank's s elements of a flat block
+  at::Tensor gather_to_rank0(const at::Tensor& piece, int64_t s, const char* what);  // rank 0: all ranks' pieces
+  void release(BlockShard& b);
+  at::Tensor reduce_to_shard(BlockShard& b, std::vector<at::Tensor> full_grads);
+  at::Tensor sum_in_rank_order(at::Tensor mine, int owner);
+  at::Tensor run_block(int index, const at::Tensor& x, const BlockFn& run);
+
   void send_param_state(torch::optim::Optimizer& sharded, const compat::OptimizerStateKey& key, size_t slots, const char* what);
   void receive_param_state(torch::optim::Optimizer& full, size_t index, int from, const OptimizerSpec& spec,
                            const char* what);
@@ -156,6 +237,9 @@ class ShardedDataParallel {
   int stage_;
   int64_t total_bytes_ = 0;
   int64_t owned_bytes_ = 0;
+  Chain* chain_ = nullptr;             // stage 3
+  std::vector<BlockShard> shards_;     // stage 3: the blocks with parameters, in order
+  std::vector<int> shard_of_block_;    // stage 3: index into shards_ per block, -1 without parameters
 };
 
 }  // namespace memfit

@@ -17,6 +17,7 @@
 #include <torch/serialize/input-archive.h>
 
 #include <filesystem>
+#include <functional>
 #include <memory>
 #include <string>
 
@@ -54,5 +55,9 @@ int remove_stale_state_files(const std::filesystem::path& dir);
 // sha256 as lowercase hex over the bytes of all parameters of a module, in order (of any bytes:
 // memfit/digest.h).
 std::string weights_sha256(const torch::nn::Module& module);
+// The same hash over the parameters `visit_all` passes to its visitor, in order (ZeRO 3
+// gathers them one block at a time).
+using ParameterVisitor = std::function<void(const at::Tensor&)>;
+std::string weights_sha256(const std::function<void(const ParameterVisitor&)>& visit_all);
 
 }  // namespace memfit

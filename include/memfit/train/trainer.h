@@ -130,6 +130,7 @@ class Trainer {
   void build_optimizer(StatePrecision state);
   void resume_state_precision(const nlohmann::json& meta, const std::string& where);
   void resume();
+  void save_gathered(const nlohmann::json& meta);  // ZeRO 3's save
   void make_planner();
   void choose_budget();
   void choose_plan();
