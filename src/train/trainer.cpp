@@ -249,7 +249,7 @@ void Trainer::make_planner() {
   }
   if (t.sharded_weights() && t.primary && !t.o.save_dir.empty()) {
     // Saving at stage 3: rank 0 holds the whole weights and state beside its shards.
-    const double per_byte = static_cast<double>(costs.front().state_bytes) / static_cast<double>(std::max<int64_t>(1, t.sdp->owned_bytes()));
+    const double per_byte = static_cast<double>(costs.optimizer.front().state_bytes) / static_cast<double>(std::max<int64_t>(1, t.sdp->owned_bytes()));
     request.extra_bytes = t.sdp->parameter_bytes() + std::llround(per_byte * static_cast<double>(t.sdp->parameter_bytes()));
   } else if (t.sharded_optimizer() && t.primary && !t.o.save_dir.empty()) {
     int64_t owned = 0;
