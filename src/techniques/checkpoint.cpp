@@ -12,6 +12,22 @@
 namespace memfit {
 namespace {
 
+// The block run again on its saved input, with grad, under the random and autocast state of
+// its first forward: the input (a detached copy that requires grad as the saved one did) and
+// the output, whose graph backward then differentiates.
+std::pair<at::Tensor, at::Tensor> recompute_block(const at::Tensor& input, const BlockFn& block, const RngState& rng_state,
+                                                  const AutocastState& autocast) {
+  at::Tensor x = input.detach();
+  x.requires_grad_(input.requires_grad());
+  torch::AutoGradMode grad_on(true);
+  PhaseGuard recompute(Phase::kRecompute);
+  RngStateGuard rng(rng_state);
+  Autocast cpu_autocast(c10::kCPU, autocast.cpu_dtype, autocast.cpu_enabled);
+  Autocast cuda_autocast(c10::kCUDA, autocast.cuda_dtype, autocast.cuda_enabled);
+  at::Tensor y = block(x);
+  return {x, y};
+}
+
 // What the recompute needs besides the saved input: the block, and the random and autocast
 // state the forward ran with.
 struct CheckpointState : torch::CustomClassHolder {
@@ -60,17 +76,7 @@ class CheckpointFunction : public torch::autograd::Function<CheckpointFunction> 
 
     // Until the recomputed graph is differentiated (BatchNorm's backward reads its statistics).
     BufferGuard buffers(state->buffers);
-    at::Tensor x = input.detach();
-    x.requires_grad_(input.requires_grad());
-    at::Tensor y;
-    {
-      torch::AutoGradMode grad_on(true);
-      PhaseGuard recompute(Phase::kRecompute);
-      RngStateGuard rng(state->rng);
-      Autocast cpu_autocast(c10::kCPU, state->autocast.cpu_dtype, state->autocast.cpu_enabled);
-      Autocast cuda_autocast(c10::kCUDA, state->autocast.cuda_dtype, state->autocast.cuda_enabled);
-      y = state->block(x);
-    }
+    auto [x, y] = recompute_block(input, state->block, state->rng, state->autocast);
 
     // Differentiate the recomputed graph w.r.t. the input and the parameters.
     std::vector<at::Tensor> wrt;
@@ -138,17 +144,7 @@ class GatheredFunction : public torch::autograd::Function<GatheredFunction> {
     {
       GatheredScope gathered(state->gathered);
       BufferGuard buffers(state->buffers);
-      at::Tensor x = input.detach();
-      x.requires_grad_(input.requires_grad());
-      at::Tensor y;
-      {
-        torch::AutoGradMode grad_on(true);
-        PhaseGuard recompute(Phase::kRecompute);
-        RngStateGuard rng(state->rng);
-        Autocast cpu_autocast(c10::kCPU, state->autocast.cpu_dtype, state->autocast.cpu_enabled);
-        Autocast cuda_autocast(c10::kCUDA, state->autocast.cuda_dtype, state->autocast.cuda_enabled);
-        y = state->block(x);
-      }
+      auto [x, y] = recompute_block(input, state->block, state->rng, state->autocast);
       std::vector<at::Tensor> wrt(params.begin(), params.end());
       if (x.requires_grad()) wrt.push_back(x);
       if (y.requires_grad()) {
