@@ -7,8 +7,10 @@
 #include <unistd.h>
 
 #include <exception>
+#include <filesystem>
 #include <functional>
 #include <map>
+#include <optional>
 #include <thread>
 
 #include "test_util.h"
@@ -484,17 +486,19 @@ TEST(DistributedTest, Zero3SgdWithMomentumEqualsOneProcess) {
   expect_zero3_equals_one_process(2, spec, /*bit_exact=*/true);
 }
 
-// Saving at stage 3: rank 0 gathers the whole weights and AdamW state, equal to one
-// process's. Resuming from one process's whole state, every rank gets back exactly the shards
-// of weights and state that stage 3 training had given it.
-TEST(DistributedTest, Zero3GathersTheWholeStateOnRank0AndReshardsIt) {
+// Saving at stage 3, block by block: rank 0 writes the single-process format (files equal to
+// one process's save of the same training, tensor for tensor) holding one block's whole
+// weights at a time. Resuming from one process's saved files, every rank gets back exactly the
+// shards of weights and state that stage 3 training had given it.
+TEST(DistributedTest, Zero3SavesBlockByBlockAndResumesFromTheSingleProcessFormat) {
   constexpr int kSteps = 3;
   OptimizerSpec spec;
   spec.lr = 0.05;
-  // The reference first: one process, the ranks' slices as micro-batches.
+  const auto root = std::filesystem::temp_directory_path() / ("memfit-zero3-save-" + std::to_string(::getpid()));
+  std::filesystem::remove_all(root);
+  // The reference first: one process, the ranks' slices as micro-batches, saved.
   auto reference_chain = make_zero3_chain();
-  const auto reference_params = reference_chain->parameters();
-  auto reference = make_optimizer(spec, reference_params);
+  auto reference = make_optimizer(spec, reference_chain->parameters());
   for (int step = 0; step < kSteps; ++step) {
     const Batch batch = zero3_batch(step);
     for (int r = 0; r < 2; ++r) {
@@ -504,10 +508,10 @@ TEST(DistributedTest, Zero3GathersTheWholeStateOnRank0AndReshardsIt) {
     reference->step();
     zero_grad(*reference, true);
   }
+  save_state(root / "one", *reference_chain, *reference, spec, nlohmann::json{{"step", kSteps}}, c10::kCPU);
+
   const std::string master = "127.0.0.1:" + std::to_string(free_port());
-  std::vector<at::Tensor> gathered_weights, gathered_exp_avg_sq;
-  std::vector<int64_t> gathered_steps;
-  std::vector<int> holds_whole(2, -1), reloaded_equal(2, -1);
+  std::vector<int> writes(2, 0), most_blocks_held(2, 0), reloaded_equal(2, -1);
   run_ranks(2, [&](int rank) {
     DistributedOptions o;
     o.world_size = 2;
@@ -528,28 +532,35 @@ TEST(DistributedTest, Zero3GathersTheWholeStateOnRank0AndReshardsIt) {
     std::vector<at::Tensor> shards_before = optimizer_state_tensors(*optimizer);
     for (const auto& p : sdp.optimized_parameters()) shards_before.push_back(p.detach().clone());
 
-    auto full = sdp.gather_full_state(*optimizer, spec);
-    holds_whole[static_cast<size_t>(rank)] = full != nullptr;
-    if (rank == 0) {
-      for (const auto& p : chain->parameters()) {
-        gathered_weights.push_back(p.detach().clone());
-        const auto& s = static_cast<const torch::optim::AdamWParamState&>(*full->state().at(param_state_key(p)));
-        gathered_exp_avg_sq.push_back(s.exp_avg_sq().clone());
-        gathered_steps.push_back(s.step());
+    std::vector<StatePart> parts = state_parts(*chain);
+    std::optional<StateWriter> writer;
+    if (rank == 0) writer.emplace(root / "zero3", kSteps);
+    sdp.for_each_gathered_block_state(*optimizer, spec, [&](int block, const auto& state) {
+      int held = 0;  // blocks whose parameters hold their values now
+      for (int k = 0; k < chain->size(); ++k) {
+        bool whole = false;
+        for (const auto& p : chain->block_parameters(k, k)) whole = whole || p.numel() > 0;
+        held += whole ? 1 : 0;
       }
-    }
-    full.reset();
-    sdp.release_gathered_state();
+      most_blocks_held[static_cast<size_t>(rank)] = std::max(most_blocks_held[static_cast<size_t>(rank)], held);
+      ++writes[static_cast<size_t>(rank)];
+      StatePart& part = parts.at(static_cast<size_t>(block));
+      put_parameter_state(part, chain->block_parameters(block, block), state);
+      writer->write_part(part);
+    });
+    if (rank == 0) writer->commit(nlohmann::json{{"step", kSteps}}, spec, c10::kCPU);
 
+    const SavedState one = SavedState::open(root / "one");
+    const std::vector<StatePart> live = state_parts(*chain);
     auto fresh = make_optimizer(spec, sdp.optimized_parameters());
-    const auto params = chain->parameters();
-    sdp.load_full_state(
-        [&](torch::optim::Optimizer& whole) {  // what SavedState::load_into does with a one-process file
-          at::NoGradGuard no_grad;
-          for (size_t i = 0; i < params.size(); ++i) {
-            params[i].detach().copy_(reference_params[i].detach());
-            whole.state()[param_state_key(params[i])] = reference->state().at(param_state_key(reference_params[i]))->clone();
-          }
+    sdp.load_block_states(
+        [&](int block) {
+          const StatePart part = one.read_part(block);
+          StatePart on_mine = live.at(static_cast<size_t>(block));
+          check_part_fits(part, on_mine, spec, "one");
+          copy_part_tensors(part, on_mine);
+          on_mine.parameter_state = part.parameter_state;
+          return parameter_state_of(on_mine, chain->block_parameters(block, block));
         },
         *fresh, spec);
     std::vector<at::Tensor> after = optimizer_state_tensors(*fresh);
@@ -558,16 +569,31 @@ TEST(DistributedTest, Zero3GathersTheWholeStateOnRank0AndReshardsIt) {
     for (size_t i = 0; equal && i < after.size(); ++i) equal = at::equal(after[i], shards_before[i]);
     reloaded_equal[static_cast<size_t>(rank)] = equal;
   });
-  EXPECT_EQ(holds_whole, (std::vector<int>{1, 0})) << "only rank 0 holds the whole state";
-  ASSERT_EQ(gathered_weights.size(), reference_params.size());
-  for (size_t i = 0; i < reference_params.size(); ++i) {
-    EXPECT_TRUE(at::equal(gathered_weights[i], reference_params[i].detach())) << "parameter " << i;
-    const auto& s =
-        static_cast<const torch::optim::AdamWParamState&>(*reference->state().at(param_state_key(reference_params[i])));
-    EXPECT_TRUE(at::equal(gathered_exp_avg_sq[i], s.exp_avg_sq())) << "exp_avg_sq of parameter " << i;
-    EXPECT_EQ(gathered_steps[i], kSteps);
-  }
+  EXPECT_EQ(writes, (std::vector<int>{4, 0})) << "rank 0 writes each of the 4 blocks, the other rank none";
+  EXPECT_EQ(most_blocks_held[0], 1) << "one block's whole weights at a time";
   EXPECT_EQ(reloaded_equal, (std::vector<int>{1, 1})) << "each rank's shards of weights and state, reloaded";
+
+  // The files rank 0 wrote hold what one process saved, tensor for tensor.
+  const SavedState one = SavedState::open(root / "one");
+  const SavedState zero3 = SavedState::open(root / "zero3");
+  ASSERT_EQ(zero3.parts(), one.parts());
+  for (int k = 0; k < one.parts(); ++k) {
+    const StatePart a = one.read_part(k), b = zero3.read_part(k);
+    ASSERT_EQ(a.parameter_names, b.parameter_names) << "part " << k;
+    for (size_t i = 0; i < a.parameters.size(); ++i) {
+      EXPECT_TRUE(at::equal(a.parameters[i], b.parameters[i])) << a.parameter_names[i];
+      ASSERT_TRUE(a.parameter_state[i].has_value() && b.parameter_state[i].has_value()) << a.parameter_names[i];
+      EXPECT_EQ(a.parameter_state[i]->step, kSteps);
+      EXPECT_EQ(b.parameter_state[i]->step, kSteps);
+      for (size_t j = 0; j < a.parameter_state[i]->tensors.size(); ++j) {
+        const at::Tensor& x = a.parameter_state[i]->tensors[j];
+        const at::Tensor& y = b.parameter_state[i]->tensors[j];
+        EXPECT_EQ(x.defined(), y.defined());
+        if (x.defined() && y.defined()) EXPECT_TRUE(at::equal(x, y)) << a.parameter_names[i] << " state slot " << j;
+      }
+    }
+  }
+  std::filesystem::remove_all(root);
 }
 
 // Tied weights (one module in two blocks) cannot be sharded per block: one clear error on

@@ -694,68 +694,103 @@ at::Tensor ShardedDataParallel::gather_to_rank0(const at::Tensor& piece, int64_t
   return flat;
 }
 
-std::unique_ptr<torch::optim::Optimizer> ShardedDataParallel::gather_full_state(torch::optim::Optimizer& sharded,
-                                                                                const OptimizerSpec& spec) {
-  TORCH_CHECK(stage_ == 3, "gather_full_state: only at ZeRO stage 3 are the weights sharded");
+// Rank 0: the block's whole weights (set as its parameters' values) and each parameter's
+// state, in the block's parameter order; other ranks send theirs and get records to ignore.
+ShardedDataParallel::BlockState ShardedDataParallel::gather_state_to_rank0(BlockShard& b, torch::optim::Optimizer& sharded,
+                                                                          const char* what) {
+  const at::Tensor weights = gather_to_rank0(b.shard.detach(), b.shard_numel, what);
+  if (rank() == 0) set_views(b, weights);
+  BlockState state(b.params.size());
+  auto it = sharded.state().find(param_state_key(b.shard));
+  if (it == sharded.state().end()) return state;  // not stepped yet: on every rank alike
+  const ParamStateRecord mine = read_param_state(*it->second);
+  for (auto& s : state) s = ParamStateRecord{mine.step, {}};
+  for (const at::Tensor& slot : mine.tensors) {
+    const at::Tensor flat = slot.defined() ? gather_to_rank0(slot, b.shard_numel, what) : at::Tensor();
+    for (size_t i = 0; i < b.params.size(); ++i) {
+      const int64_t numel = c10::multiply_integers(b.shapes[i]);
+      state[i]->tensors.push_back(flat.defined() ? flat.narrow(0, b.offsets[i], numel).view(b.shapes[i]) : at::Tensor());
+    }
+  }
+  return state;
+}
+
+void ShardedDataParallel::for_each_gathered_block_state(torch::optim::Optimizer& sharded, const OptimizerSpec& spec,
+                                                        const std::function<void(int block, const BlockState& state)>& write) {
+  TORCH_CHECK(stage_ == 3, "for_each_gathered_block_state: only at ZeRO stage 3 are the weights sharded");
   check_option(spec.state != StatePrecision::k8Bit, "optimizer.state", "8bit",
                "saving at ZeRO 3 needs fp32 state (8-bit blocks would straddle parameters)");
   at::NoGradGuard no_grad;
-  const char* what = "gathering the weights and optimizer state on rank 0 (ZeRO 3)";
-  std::unique_ptr<torch::optim::Optimizer> full = rank() == 0 ? make_optimizer(spec, parameters_) : nullptr;
-  for (auto& b : shards_) {
-    const at::Tensor weights = gather_to_rank0(b.shard.detach(), b.shard_numel, what);
-    if (rank() == 0) set_views(b, weights);
-    auto it = sharded.state().find(param_state_key(b.shard));
-    if (it == sharded.state().end()) continue;  // not stepped yet: on every rank alike
-    const ParamStateRecord mine = read_param_state(*it->second);
-    std::vector<ParamStateRecord> records(b.params.size(), ParamStateRecord{mine.step, {}});
-    for (const at::Tensor& slot : mine.tensors) {
-      const at::Tensor flat = slot.defined() ? gather_to_rank0(slot, b.shard_numel, what) : at::Tensor();
-      for (size_t i = 0; i < b.params.size(); ++i) {
-        const bool have = flat.defined();
-        records[i].tensors.push_back(have ? flat.narrow(0, b.offsets[i], b.params[i].numel()).view(b.shapes[i]) : at::Tensor());
-      }
+  const char* what = "gathering a block's weights and optimizer state on rank 0 to save (ZeRO 3)";
+  for (int block = 0; block < chain_->size(); ++block) {
+    const int k = shard_of_block_.at(static_cast<size_t>(block));
+    if (k < 0) {
+      if (rank() == 0) write(block, {});
+      continue;
     }
+    BlockShard& b = shards_[static_cast<size_t>(k)];
+    const BlockState state = gather_state_to_rank0(b, sharded, what);
     if (rank() != 0) continue;
-    for (size_t i = 0; i < b.params.size(); ++i) full->state()[param_state_key(b.params[i])] = make_param_state(spec, records[i]);
+    try {
+      write(block, state);
+    } catch (...) {
+      release(b);
+      throw;
+    }
+    release(b);
   }
-  return full;
 }
 
-void ShardedDataParallel::release_gathered_state() {
-  TORCH_CHECK(stage_ == 3, "release_gathered_state: only at ZeRO stage 3 are the weights sharded");
-  if (rank() != 0) return;
-  for (auto& b : shards_) release(b);
+// This rank's range of a gathered block (whole values in its parameters) and of its saved
+// state, into its shard and `sharded`'s state of it.
+void ShardedDataParallel::keep_own_state(BlockShard& b, const BlockState& state, torch::optim::Optimizer& sharded,
+                                         const OptimizerSpec& spec) {
+  at::NoGradGuard no_grad;
+  std::vector<at::Tensor> flat_parts;
+  for (const auto& p : b.params) flat_parts.push_back(p.detach().reshape({-1}));
+  b.shard.detach().copy_(own_range(b, at::cat(flat_parts)));
+  sharded.state().erase(param_state_key(b.shard));
+  const bool stepped = !state.empty() && state.front().has_value();
+  for (const auto& r : state) {
+    if (r.has_value() != stepped || (stepped && r->step != state.front()->step)) {
+      throw std::runtime_error("cannot resume at ZeRO 3: block " + std::to_string(b.block) +
+                               "'s parameters were saved after unequal numbers of optimizer steps (a shard has one)");
+    }
+  }
+  if (!stepped) return;  // saved before any step
+  ParamStateRecord mine{state.front()->step, {}};
+  for (size_t slot = 0; slot < state.front()->tensors.size(); ++slot) {
+    if (!state.front()->tensors[slot].defined()) {
+      mine.tensors.emplace_back();
+      continue;
+    }
+    std::vector<at::Tensor> parts;
+    for (const auto& r : state) parts.push_back(r->tensors.at(slot).reshape({-1}));
+    mine.tensors.push_back(own_range(b, at::cat(parts)));
+  }
+  sharded.state()[param_state_key(b.shard)] = make_param_state(spec, mine);
 }
 
-void ShardedDataParallel::load_full_state(const std::function<void(torch::optim::Optimizer& full)>& load,
-                                          torch::optim::Optimizer& sharded, const OptimizerSpec& spec) {
-  TORCH_CHECK(stage_ == 3, "load_full_state: only at ZeRO stage 3 are the weights sharded");
+void ShardedDataParallel::load_block_states(const std::function<BlockState(int block)>& load, torch::optim::Optimizer& sharded,
+                                            const OptimizerSpec& spec) {
+  TORCH_CHECK(stage_ == 3, "load_block_states: only at ZeRO stage 3 are the weights sharded");
   check_option(spec.state != StatePrecision::k8Bit, "optimizer.state", "8bit",
                "resuming at ZeRO 3 needs fp32 state (8-bit blocks would straddle parameters)");
-  FullWeights gathered(*this);  // the whole parameters to load into
-  auto full = make_optimizer(spec, parameters_);
-  load(*full);
-  at::NoGradGuard no_grad;
-  for (auto& b : shards_) {
-    std::vector<at::Tensor> flat_parts;
-    for (const auto& p : b.params) flat_parts.push_back(p.detach().reshape({-1}));
-    b.shard.detach().copy_(own_range(b, at::cat(flat_parts)));
-    auto first = full->state().find(param_state_key(b.params.front()));
-    if (first == full->state().end()) continue;  // saved before any step
-    ParamStateRecord mine{read_param_state(*first->second).step, {}};
-    std::vector<ParamStateRecord> records;
-    for (const auto& p : b.params) records.push_back(read_param_state(*full->state().at(param_state_key(p))));
-    for (size_t slot = 0; slot < records.front().tensors.size(); ++slot) {
-      if (!records.front().tensors[slot].defined()) {
-        mine.tensors.emplace_back();
-        continue;
-      }
-      std::vector<at::Tensor> parts;
-      for (const auto& r : records) parts.push_back(r.tensors[slot].reshape({-1}));
-      mine.tensors.push_back(own_range(b, at::cat(parts)));
+  for (int block = 0; block < chain_->size(); ++block) {
+    const int k = shard_of_block_.at(static_cast<size_t>(block));
+    if (k < 0) {
+      load(block);  // its buffers
+      continue;
     }
-    sharded.state()[param_state_key(b.shard)] = make_param_state(spec, mine);
+    BlockShard& b = shards_[static_cast<size_t>(k)];
+    gather(b);  // whole parameters to load into
+    try {
+      keep_own_state(b, load(block), sharded, spec);
+    } catch (...) {
+      release(b);
+      throw;
+    }
+    release(b);
   }
 }
 

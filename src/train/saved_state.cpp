@@ -7,7 +7,9 @@
 #include <cstdio>
 #include <fstream>
 #include <iterator>
+#include <set>
 #include <stdexcept>
+#include <unordered_set>
 
 #include "memfit/techniques/rng.h"
 #include "runtime/json_fields.h"
@@ -18,6 +20,7 @@ namespace memfit {
 namespace {
 
 constexpr const char* kManifest = "state.json";
+constexpr int kFormat = 3;  // 2: one file holding everything (memfit before ZeRO 3 saved by parts)
 
 std::string read_file(const fs::path& path) {
   std::error_code ec;
@@ -33,53 +36,180 @@ std::string read_file(const fs::path& path) {
   return bytes;
 }
 
-// Writes `bytes` to PATH.tmp<pid>, flushes it to disk, renames it to PATH, and flushes the
-// directory entry: PATH is then either the old file or the whole new one.
-void write_atomically(const fs::path& path, const std::string& bytes) {
-  const fs::path tmp = path.string() + ".tmp" + std::to_string(::getpid());
-  {
-    std::ofstream out(tmp, std::ios::binary | std::ios::trunc);
-    out.write(bytes.data(), static_cast<std::streamsize>(bytes.size()));
-    out.flush();
-    if (!out) throw std::runtime_error("cannot save state: writing " + tmp.string() + " failed");
-  }
-  const int fd = ::open(tmp.c_str(), O_RDONLY);
-  if (fd >= 0) {
-    ::fsync(fd);
-    ::close(fd);
-  }
-  fs::rename(tmp, path);
-  const int dir_fd = ::open(path.parent_path().c_str(), O_RDONLY | O_DIRECTORY);
-  if (dir_fd >= 0) {
-    ::fsync(dir_fd);
-    ::close(dir_fd);
-  }
+void fsync_path(const fs::path& path, int flags) {
+  const int fd = ::open(path.c_str(), flags);
+  if (fd < 0) return;
+  ::fsync(fd);
+  ::close(fd);
 }
 
-std::string archive_bytes(const torch::nn::Module& model, torch::optim::Optimizer& optimizer, const nlohmann::json& meta,
-                          c10::Device device) {
-  torch::serialize::OutputArchive archive, model_archive, optimizer_archive;
-  model.save(model_archive);
-  optimizer.save(optimizer_archive);
-  archive.write("model", model_archive);
-  archive.write("optimizer", optimizer_archive);
+// `write` fills PATH.tmp<pid>; it is flushed to disk and renamed to PATH, and the directory
+// entry flushed: PATH is then either the old file or the whole new one. Returns the manifest
+// entry of the new file (its name, size and sha256).
+nlohmann::json write_atomically(const fs::path& path, const std::function<void(const fs::path& tmp)>& write) {
+  const fs::path tmp = path.string() + ".tmp" + std::to_string(::getpid());
+  try {
+    write(tmp);
+  } catch (const std::exception& e) {
+    std::error_code ec;
+    fs::remove(tmp, ec);
+    const std::string what = e.what();
+    throw std::runtime_error("cannot save state: writing " + tmp.string() + " failed (" + what.substr(0, what.find('\n')) + ")");
+  }
+  fsync_path(tmp, O_RDONLY);
+  const nlohmann::json entry{{"name", path.filename().string()},
+                             {"bytes", static_cast<int64_t>(fs::file_size(tmp))},
+                             {"sha256", sha256_file(tmp.string())}};
+  fs::rename(tmp, path);
+  fsync_path(path.parent_path(), O_RDONLY | O_DIRECTORY);
+  return entry;
+}
+
+void write_bytes(const fs::path& path, const std::string& bytes) {
+  std::ofstream out(path, std::ios::binary | std::ios::trunc);
+  out.write(bytes.data(), static_cast<std::streamsize>(bytes.size()));
+  out.flush();
+  if (!out) throw std::runtime_error("the disk refused the bytes");
+}
+
+std::string step_digits(int64_t step) {
+  char digits[32];
+  std::snprintf(digits, sizeof digits, "%08lld", static_cast<long long>(step));
+  return digits;
+}
+std::string head_name(const std::string& digits) { return "state-" + digits + ".pt"; }
+std::string part_name(const std::string& digits, size_t k) {
+  char index[32];
+  std::snprintf(index, sizeof index, "%04zu", k);
+  return "state-" + digits + ".part-" + index + ".pt";
+}
+
+// A tensor as a part stores it: a view into a storage much larger than the whole part (a
+// parameter carved from one big buffer) is copied, so that each part's file holds about its
+// own bytes (a view into one gathered ZeRO 3 block is not: that storage is the part).
+at::Tensor stored(const at::Tensor& t, int64_t part_bytes) {
+  const at::Tensor d = t.detach();
+  const bool foreign = static_cast<int64_t>(d.storage().nbytes()) > 2 * part_bytes + 4096;
+  return foreign ? d.clone() : d;
+}
+
+int64_t part_bytes(const StatePart& part) {
+  int64_t bytes = 0;
+  for (const auto& p : part.parameters) bytes += static_cast<int64_t>(p.nbytes());
+  for (const auto& s : part.parameter_state) {
+    if (!s) continue;
+    for (const auto& t : s->tensors) bytes += t.defined() ? static_cast<int64_t>(t.nbytes()) : 0;
+  }
+  for (const auto& b : part.buffers) bytes += static_cast<int64_t>(b.nbytes());
+  return bytes;
+}
+
+// One part's archive: "p<i>" parameters, "s<i>_<j>" state slot j of parameter i, "b<i>"
+// buffers, and "index" (JSON: the names, each parameter's step and which slots it has).
+void write_part_archive(const StatePart& part, const fs::path& path) {
+  torch::serialize::OutputArchive archive;
+  const int64_t bytes = part_bytes(part);
+  nlohmann::json state = nlohmann::json::array();
+  for (size_t i = 0; i < part.parameters.size(); ++i) {
+    archive.write("p" + std::to_string(i), stored(part.parameters[i], bytes));
+    const auto& record = part.parameter_state.at(i);
+    if (!record) {
+      state.push_back(nullptr);
+      continue;
+    }
+    std::vector<bool> slots;
+    for (size_t j = 0; j < record->tensors.size(); ++j) {
+      slots.push_back(record->tensors[j].defined());
+      if (slots.back()) archive.write("s" + std::to_string(i) + "_" + std::to_string(j), stored(record->tensors[j], bytes));
+    }
+    state.push_back({{"step", record->step}, {"slots", slots}});
+  }
+  for (size_t i = 0; i < part.buffers.size(); ++i) archive.write("b" + std::to_string(i), stored(part.buffers[i], bytes), true);
+  const nlohmann::json index{{"parameters", part.parameter_names}, {"buffers", part.buffer_names}, {"state", state}};
+  archive.write("index", c10::IValue(index.dump()));
+  archive.save_to(path.string());
+}
+
+void write_head_archive(const nlohmann::json& meta, const OptimizerSpec& spec, size_t parts, c10::Device device,
+                        const fs::path& path) {
+  torch::serialize::OutputArchive archive;
   archive.write("meta", c10::IValue(meta.dump()));
+  archive.write("parts", c10::IValue(static_cast<int64_t>(parts)));  // what the manifest must name
+  archive.write("optimizer", c10::IValue(optimizer_spec_json(spec).dump()));
   const RngState rng = capture_rng(device);
   archive.write("rng_cpu", rng.cpu);
   if (rng.cuda.defined()) archive.write("rng_cuda", rng.cuda);
-  std::ostringstream out;
-  archive.save_to(out);
-  return out.str();
+  archive.save_to(path.string());
 }
 
-// The manifest's one file entry, checked: "state-<digits>.pt", a plain file name in DIR.
-fs::path manifest_file(const fs::path& dir, const nlohmann::json& manifest) {
-  const std::string name = json_fields::text(json_fields::array(manifest, "files", 1)[0], "name");
-  const bool digits = name.size() > 9 && name.find_first_not_of("0123456789", 6) == name.size() - 3;
-  if (name.rfind("state-", 0) != 0 || name.compare(name.size() - 3, 3, ".pt") != 0 || !digits) {
-    throw std::runtime_error("names a file that is not a state file: " + nlohmann::json(name).dump());
+std::vector<std::string> names_of(const nlohmann::json& index, const char* key) {
+  std::vector<std::string> names;
+  for (const auto& n : json_fields::array(index, key)) {
+    if (!n.is_string()) throw std::invalid_argument("a name that is not text");
+    names.push_back(n.get<std::string>());
   }
-  return dir / name;
+  return names;
+}
+
+std::optional<ParamStateRecord> read_record(torch::serialize::InputArchive& archive, const nlohmann::json& entry, size_t i) {
+  if (entry.is_null()) return std::nullopt;
+  ParamStateRecord record;
+  record.step = json_fields::integer(entry, "step");
+  const auto& slots = json_fields::array(entry, "slots");
+  for (size_t j = 0; j < slots.size(); ++j) {
+    if (!slots[j].is_boolean()) throw std::invalid_argument("a slot flag that is not true or false");
+    at::Tensor t;
+    if (slots[j].get<bool>()) archive.read("s" + std::to_string(i) + "_" + std::to_string(j), t);
+    record.tensors.push_back(t);
+  }
+  return record;
+}
+
+StatePart parse_part(const std::string& bytes) {
+  torch::serialize::InputArchive archive;
+  archive.load_from(bytes.data(), bytes.size());
+  c10::IValue index_text;
+  if (!archive.try_read("index", index_text) || !index_text.isString()) throw std::invalid_argument("no index record");
+  const nlohmann::json index = nlohmann::json::parse(index_text.toStringRef());
+  StatePart part;
+  part.parameter_names = names_of(index, "parameters");
+  part.buffer_names = names_of(index, "buffers");
+  const auto& state = json_fields::array(index, "state", static_cast<int>(part.parameter_names.size()));
+  for (size_t i = 0; i < part.parameter_names.size(); ++i) {
+    at::Tensor p;
+    archive.read("p" + std::to_string(i), p);
+    part.parameters.push_back(p);
+    part.parameter_state.push_back(read_record(archive, state[i], i));
+  }
+  for (size_t i = 0; i < part.buffer_names.size(); ++i) {
+    at::Tensor b;
+    archive.read("b" + std::to_string(i), b, true);
+    part.buffers.push_back(b);
+  }
+  return part;
+}
+
+// The manifest's file names, checked: "state-<digits>.pt" then "state-<digits>.part-<k>.pt" for
+// k = 0, 1, ... (plain file names in DIR).
+std::vector<fs::path> manifest_files(const fs::path& dir, const nlohmann::json& manifest) {
+  const auto& files = json_fields::array(manifest, "files");
+  if (files.empty()) throw std::invalid_argument("JSON: 'files' names no file");
+  const std::string head = json_fields::text(files[0], "name");
+  const bool digits = head.size() > 9 && head.find_first_not_of("0123456789", 6) == head.size() - 3;
+  if (head.rfind("state-", 0) != 0 || head.compare(head.size() - 3, 3, ".pt") != 0 || !digits) {
+    throw std::runtime_error("names a file that is not a state file: " + nlohmann::json(head).dump());
+  }
+  const std::string step = head.substr(6, head.size() - 9);
+  std::vector<fs::path> paths{dir / head};
+  for (size_t k = 1; k < files.size(); ++k) {
+    const std::string name = json_fields::text(files[k], "name");
+    if (name != part_name(step, k - 1)) {
+      throw std::runtime_error("file " + std::to_string(k) + " is " + nlohmann::json(name).dump() + ", expected " +
+                               part_name(step, k - 1));
+    }
+    paths.push_back(dir / name);
+  }
+  return paths;
 }
 
 nlohmann::json read_manifest(const fs::path& dir) {
@@ -92,11 +222,14 @@ nlohmann::json read_manifest(const fs::path& dir) {
   }
   try {
     nlohmann::json manifest = nlohmann::json::parse(read_file(path));
-    if (json_fields::integer(manifest, "format") != 2) throw std::runtime_error("format " + manifest["format"].dump() + ", expected 2");
-    manifest_file(dir, manifest);
-    const auto& entry = manifest["files"][0];
-    json_fields::integer(entry, "bytes");
-    if (json_fields::text(entry, "sha256").size() != 64) throw std::runtime_error("a sha256 of 64 hex digits expected");
+    const int64_t format = json_fields::integer(manifest, "format");
+    if (format == 2) throw std::runtime_error("format 2, written by an older memfit in one file; this memfit reads format 3");
+    if (format != kFormat) throw std::runtime_error("format " + manifest["format"].dump() + ", expected 3");
+    manifest_files(dir, manifest);
+    for (const auto& entry : manifest["files"]) {
+      json_fields::integer(entry, "bytes");
+      if (json_fields::text(entry, "sha256").size() != 64) throw std::runtime_error("a sha256 of 64 hex digits expected");
+    }
     return manifest;
   } catch (const std::exception& e) {
     std::string what = e.what();
@@ -104,7 +237,254 @@ nlohmann::json read_manifest(const fs::path& dir) {
   }
 }
 
+std::string mismatch(const std::string& where, const std::string& what) {
+  return "cannot resume: " + where + " holds another model or optimizer than this run's (" + what + ")";
+}
+
+void check_tensors_fit(const std::vector<std::string>& saved_names, const std::vector<at::Tensor>& saved,
+                       const std::vector<std::string>& live_names, const std::vector<at::Tensor>& live, const std::string& where) {
+  if (saved_names != live_names) throw std::runtime_error(mismatch(where, "other tensor names"));
+  for (size_t i = 0; i < saved.size(); ++i) {
+    if (!saved[i].defined() || saved[i].sizes() != live[i].sizes() || saved[i].scalar_type() != live[i].scalar_type()) {
+      throw std::runtime_error(mismatch(where, live_names[i] + ": another shape or dtype"));
+    }
+  }
+}
+
+// Each saved parameter's state has the slots `spec` keeps, each of the shape and dtype it has
+// for that parameter.
+void check_state_fits(const StatePart& saved, const StatePart& live, const OptimizerSpec& spec, const std::string& where) {
+  for (size_t i = 0; i < saved.parameter_state.size(); ++i) {
+    const auto& record = saved.parameter_state[i];
+    if (!record) continue;
+    if (record->tensors.size() != param_state_slots(spec)) throw std::runtime_error(mismatch(where, "another optimizer family"));
+    for (size_t j = 0; j < record->tensors.size(); ++j) {
+      const at::Tensor& t = record->tensors[j];
+      if (!t.defined()) continue;
+      const at::Tensor& p = live.parameters[i];
+      const at::Tensor expected = empty_param_state_slot(spec, j, at::empty(p.sizes(), p.options().device(c10::kMeta)));
+      if (t.sizes() != expected.sizes() || t.scalar_type() != expected.scalar_type()) {
+        throw std::runtime_error(mismatch(where, live.parameter_names[i] + "'s optimizer state: another shape or dtype"));
+      }
+    }
+  }
+}
+
 }  // namespace
+
+// --- parts ---------------------------------------------------------------------------------------
+
+std::vector<StatePart> state_parts(const torch::nn::Module& model) {
+  std::unordered_set<const c10::TensorImpl*> seen;
+  auto add = [&](StatePart& part, const std::string& prefix, const torch::nn::Module& m, bool recurse) {
+    for (const auto& p : m.named_parameters(recurse)) {
+      if (!seen.insert(p.value().unsafeGetTensorImpl()).second) continue;
+      part.parameter_names.push_back(prefix + p.key());
+      part.parameters.push_back(p.value());
+      part.parameter_state.emplace_back();
+    }
+    for (const auto& b : m.named_buffers(recurse)) {
+      if (!seen.insert(b.value().unsafeGetTensorImpl()).second) continue;
+      part.buffer_names.push_back(prefix + b.key());
+      part.buffers.push_back(b.value());
+    }
+  };
+  std::vector<StatePart> parts;
+  StatePart own;
+  add(own, "", model, false);
+  if (!own.parameters.empty() || !own.buffers.empty()) parts.push_back(std::move(own));
+  for (const auto& child : model.named_children()) {
+    parts.emplace_back();
+    add(parts.back(), child.key() + ".", *child.value(), true);
+  }
+  return parts;
+}
+
+void read_optimizer_state(StatePart& part, const torch::optim::Optimizer& optimizer) {
+  for (size_t i = 0; i < part.parameters.size(); ++i) {
+    const auto it = optimizer.state().find(param_state_key(part.parameters[i]));
+    part.parameter_state[i] = it == optimizer.state().end() ? std::nullopt : std::optional(read_param_state(*it->second));
+  }
+}
+
+void put_parameter_state(StatePart& part, const std::vector<at::Tensor>& parameters, const ParameterStates& state) {
+  for (size_t i = 0; i < part.parameters.size(); ++i) {
+    part.parameter_state[i].reset();
+    for (size_t j = 0; j < parameters.size() && j < state.size(); ++j) {
+      if (parameters[j].is_same(part.parameters[i])) part.parameter_state[i] = state[j];
+    }
+  }
+}
+
+ParameterStates parameter_state_of(const StatePart& part, const std::vector<at::Tensor>& parameters) {
+  ParameterStates state(parameters.size());
+  for (size_t j = 0; j < parameters.size(); ++j) {
+    for (size_t i = 0; i < part.parameters.size(); ++i) {
+      if (parameters[j].is_same(part.parameters[i])) state[j] = part.parameter_state[i];
+    }
+  }
+  return state;
+}
+
+void check_part_fits(const StatePart& saved, const StatePart& live, const OptimizerSpec& spec, const std::string& where) {
+  check_tensors_fit(saved.parameter_names, saved.parameters, live.parameter_names, live.parameters, where);
+  check_tensors_fit(saved.buffer_names, saved.buffers, live.buffer_names, live.buffers, where);
+  check_state_fits(saved, live, spec, where);
+}
+
+void copy_part_tensors(const StatePart& saved, const StatePart& live) {
+  at::NoGradGuard no_grad;
+  for (size_t i = 0; i < live.parameters.size(); ++i) live.parameters[i].detach().copy_(saved.parameters[i]);
+  for (size_t i = 0; i < live.buffers.size(); ++i) live.buffers[i].detach().copy_(saved.buffers[i]);
+}
+
+// --- writing -------------------------------------------------------------------------------------
+
+StateWriter::StateWriter(fs::path dir, int64_t step) : dir_(std::move(dir)), step_(step) { fs::create_directories(dir_); }
+
+void StateWriter::write_part(const StatePart& part) {
+  const fs::path path = dir_ / part_name(step_digits(step_), files_.size());
+  files_.push_back(write_atomically(path, [&](const fs::path& tmp) { write_part_archive(part, tmp); }));
+}
+
+void StateWriter::commit(const nlohmann::json& meta, const OptimizerSpec& spec, c10::Device device) {
+  const fs::path head = dir_ / head_name(step_digits(step_));
+  nlohmann::json files = nlohmann::json::array({write_atomically(head, [&](const fs::path& tmp) {
+    write_head_archive(meta, spec, files_.size(), device, tmp);
+  })});
+  for (const auto& f : files_) files.push_back(f);
+  const std::string manifest = nlohmann::json{{"format", kFormat}, {"files", files}}.dump(2) + "\n";
+  write_atomically(dir_ / kManifest, [&](const fs::path& tmp) { write_bytes(tmp, manifest); });  // the commit point
+  remove_stale_state_files(dir_);
+}
+
+void save_state(const fs::path& dir, const torch::nn::Module& model, const torch::optim::Optimizer& optimizer,
+                const OptimizerSpec& spec, const nlohmann::json& meta, c10::Device device) {
+  StateWriter writer(dir, meta.at("step").get<int64_t>());
+  for (StatePart& part : state_parts(model)) {
+    read_optimizer_state(part, optimizer);
+    writer.write_part(part);
+  }
+  writer.commit(meta, spec, device);
+}
+
+int remove_stale_state_files(const fs::path& dir) {
+  std::set<std::string> keep;
+  try {
+    for (const auto& path : manifest_files(dir, read_manifest(dir))) keep.insert(path.filename().string());
+  } catch (const std::exception&) {
+    // No valid manifest: only temporaries are surely stale.
+  }
+  int removed = 0;
+  std::error_code ec;
+  for (const auto& entry : fs::directory_iterator(dir, ec)) {
+    const std::string name = entry.path().filename().string();
+    const bool temporary = name.find(".tmp") != std::string::npos && (name.rfind("state", 0) == 0);
+    const bool superseded = !keep.empty() && name.rfind("state-", 0) == 0 && keep.count(name) == 0 &&
+                            name.size() > 3 && name.compare(name.size() - 3, 3, ".pt") == 0;
+    if ((temporary || superseded) && fs::remove(entry.path(), ec)) ++removed;
+  }
+  return removed;
+}
+
+// --- reading -------------------------------------------------------------------------------------
+
+SavedState SavedState::open(const fs::path& dir) {
+  const nlohmann::json manifest = read_manifest(dir);
+  const std::vector<fs::path> paths = manifest_files(dir, manifest);
+  SavedState s;
+  for (size_t k = 0; k < paths.size(); ++k) {
+    const auto& entry = manifest["files"][k];
+    File f{paths[k], entry["bytes"].get<int64_t>(), entry["sha256"].get<std::string>()};
+    std::error_code ec;
+    if (!fs::is_regular_file(f.path, ec)) throw std::runtime_error("cannot resume: " + f.path.string() + ", named in state.json, is missing");
+    if (static_cast<int64_t>(fs::file_size(f.path, ec)) != f.bytes || ec || sha256_file(f.path.string()) != f.sha256) {
+      throw std::runtime_error("cannot resume: " + f.path.string() + " is corrupt or truncated (its size or sha256 differs from state.json)");
+    }
+    if (k == 0) {
+      s.head_file_ = f;
+    } else {
+      s.parts_.push_back(f);
+    }
+  }
+  s.head_ = s.head_file_.path;
+  const std::string bytes = read_file(s.head_);
+  if (sha256_hex(bytes) != s.head_file_.sha256) throw std::runtime_error("cannot resume: " + s.head_.string() + " changed while it was read");
+  try {
+    torch::serialize::InputArchive archive;
+    archive.load_from(bytes.data(), bytes.size());
+    c10::IValue meta;
+    if (!archive.try_read("meta", meta) || !meta.isString()) throw std::runtime_error("no meta record");
+    s.meta_ = nlohmann::json::parse(meta.toStringRef());
+    json_fields::integer(s.meta_, "step");
+    c10::IValue parts;
+    if (!archive.try_read("parts", parts) || !parts.isInt()) throw std::runtime_error("no parts record");
+    if (parts.toInt() != s.parts()) {
+      throw std::runtime_error("cannot resume: " + s.head_.string() + " was saved with " + std::to_string(parts.toInt()) +
+                               " parts, state.json names " + std::to_string(s.parts()));
+    }
+    archive.read("rng_cpu", s.rng_cpu_);
+    if (!archive.try_read("rng_cuda", s.rng_cuda_)) s.rng_cuda_ = at::Tensor();
+  } catch (const std::runtime_error& e) {
+    if (std::string(e.what()).rfind("cannot resume:", 0) == 0) throw;
+    throw std::runtime_error("cannot resume: " + s.head_.string() + " matches its checksum but cannot be read by this memfit");
+  } catch (const std::exception&) {
+    // The bytes are the ones saved: a reader that cannot parse them is another memfit's.
+    throw std::runtime_error("cannot resume: " + s.head_.string() + " matches its checksum but cannot be read by this memfit");
+  }
+  return s;
+}
+
+StatePart SavedState::read_part(int k) const {
+  const File& f = parts_.at(static_cast<size_t>(k));
+  const std::string bytes = read_file(f.path);
+  if (static_cast<int64_t>(bytes.size()) != f.bytes || sha256_hex(bytes) != f.sha256) {
+    throw std::runtime_error("cannot resume: " + f.path.string() + " changed since its checksum was verified");
+  }
+  try {
+    return parse_part(bytes);
+  } catch (const std::exception&) {
+    throw std::runtime_error("cannot resume: " + f.path.string() + " matches its checksum but cannot be read by this memfit");
+  }
+}
+
+void SavedState::load_into(torch::nn::Module& model, torch::optim::Optimizer& optimizer, const OptimizerSpec& spec,
+                           c10::Device device) {
+  const std::vector<StatePart> live = state_parts(model);
+  if (static_cast<int>(live.size()) != parts()) {
+    throw std::runtime_error(mismatch(head_.string(), std::to_string(parts()) + " parts saved, this model has " +
+                                                          std::to_string(live.size())));
+  }
+  for (int k = 0; k < parts(); ++k) {
+    const StatePart saved = read_part(k);
+    const std::string where = parts_[static_cast<size_t>(k)].path.string();
+    check_part_fits(saved, live[static_cast<size_t>(k)], spec, where);
+    copy_part_tensors(saved, live[static_cast<size_t>(k)]);
+    for (size_t i = 0; i < saved.parameters.size(); ++i) {
+      const at::Tensor& p = live[static_cast<size_t>(k)].parameters[i];
+      const auto& record = saved.parameter_state[i];
+      if (!record) {
+        optimizer.state().erase(param_state_key(p));
+        continue;
+      }
+      ParamStateRecord on_device{record->step, {}};
+      for (const auto& t : record->tensors) on_device.tensors.push_back(t.defined() ? t.to(p.device()) : t);
+      optimizer.state()[param_state_key(p)] = make_param_state(spec, on_device);
+    }
+  }
+  restore_generators(device);
+}
+
+void SavedState::restore_generators(c10::Device device) const {
+  RngState rng = capture_rng(device);
+  const bool fits = rng_cpu_.sizes() == rng.cpu.sizes() && (!rng.cuda.defined() || (rng_cuda_.defined() && rng_cuda_.sizes() == rng.cuda.sizes()));
+  if (!fits) throw std::runtime_error("cannot resume: " + head_.string() + " holds random generators of another kind");
+  rng.cpu = rng_cpu_;
+  if (rng.cuda.defined()) rng.cuda = rng_cuda_;
+  restore_rng(rng);
+}
+
+// --- weights' hash -------------------------------------------------------------------------------
 
 std::string weights_sha256(const std::function<void(const ParameterVisitor&)>& visit_all) {
   Sha256 sha;
@@ -119,83 +499,6 @@ std::string weights_sha256(const torch::nn::Module& module) {
   return weights_sha256([&](const ParameterVisitor& visit) {
     for (const auto& p : module.parameters()) visit(p);
   });
-}
-
-void save_state(const fs::path& dir, const torch::nn::Module& model, torch::optim::Optimizer& optimizer,
-                const nlohmann::json& meta, c10::Device device) {
-  fs::create_directories(dir);
-  const std::string bytes = archive_bytes(model, optimizer, meta, device);
-  char name[64];
-  std::snprintf(name, sizeof name, "state-%08lld.pt", static_cast<long long>(meta.at("step").get<int64_t>()));
-  write_atomically(dir / name, bytes);
-  const nlohmann::json manifest{
-      {"format", 2},
-      {"files", {{{"name", name}, {"bytes", static_cast<int64_t>(bytes.size())}, {"sha256", sha256_hex(bytes.data(), bytes.size())}}}}};
-  write_atomically(dir / kManifest, manifest.dump(2) + "\n");  // the commit point
-  remove_stale_state_files(dir);
-}
-
-int remove_stale_state_files(const fs::path& dir) {
-  std::string keep;
-  try {
-    keep = manifest_file(dir, read_manifest(dir)).filename().string();
-  } catch (const std::exception&) {
-    // No valid manifest: only temporaries are surely stale.
-  }
-  int removed = 0;
-  std::error_code ec;
-  for (const auto& entry : fs::directory_iterator(dir, ec)) {
-    const std::string name = entry.path().filename().string();
-    const bool temporary = name.find(".tmp") != std::string::npos && (name.rfind("state", 0) == 0);
-    const bool superseded = !keep.empty() && name.rfind("state-", 0) == 0 && name != keep &&
-                            name.size() > 3 && name.compare(name.size() - 3, 3, ".pt") == 0;
-    if ((temporary || superseded) && fs::remove(entry.path(), ec)) ++removed;
-  }
-  return removed;
-}
-
-SavedState SavedState::open(const fs::path& dir) {
-  const nlohmann::json manifest = read_manifest(dir);
-  const nlohmann::json& entry = manifest["files"][0];
-  SavedState s;
-  s.file_ = manifest_file(dir, manifest);
-  std::error_code ec;
-  if (!fs::is_regular_file(s.file_, ec)) {
-    throw std::runtime_error("cannot resume: " + s.file_.string() + ", named in state.json, is missing");
-  }
-  const std::string bytes = read_file(s.file_);
-  if (static_cast<int64_t>(bytes.size()) != entry["bytes"].get<int64_t>() ||
-      sha256_hex(bytes.data(), bytes.size()) != entry["sha256"].get<std::string>()) {
-    throw std::runtime_error("cannot resume: " + s.file_.string() +
-                             " is corrupt or truncated (its size or sha256 differs from state.json)");
-  }
-  try {
-    s.archive_ = std::make_shared<torch::serialize::InputArchive>();
-    s.archive_->load_from(bytes.data(), bytes.size());
-    c10::IValue meta;
-    if (!s.archive_->try_read("meta", meta)) throw std::runtime_error("no meta record");
-    s.meta_ = nlohmann::json::parse(meta.toStringRef());
-  } catch (const std::exception&) {
-    // The bytes are the ones saved: a reader that cannot parse them is another memfit's.
-    throw std::runtime_error("cannot resume: " + s.file_.string() + " matches its checksum but cannot be read by this memfit");
-  }
-  return s;
-}
-
-void SavedState::load_into(torch::nn::Module& model, torch::optim::Optimizer& optimizer, c10::Device device) {
-  try {
-    torch::serialize::InputArchive model_archive, optimizer_archive;
-    archive_->read("model", model_archive);
-    archive_->read("optimizer", optimizer_archive);
-    model.load(model_archive);
-    optimizer.load(optimizer_archive);
-    RngState rng = capture_rng(device);
-    archive_->read("rng_cpu", rng.cpu);
-    if (rng.cuda.defined()) archive_->read("rng_cuda", rng.cuda);
-    restore_rng(rng);
-  } catch (const c10::Error&) {
-    throw std::runtime_error("cannot resume: " + file_.string() + " holds another model or optimizer than this run's");
-  }
 }
 
 }  // namespace memfit

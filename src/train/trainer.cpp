@@ -194,16 +194,14 @@ void Trainer::resume() {
   }
   resume_state_precision(meta, where);
   if (t.sharded_weights()) {
-    // The whole model and state are loaded, then each rank keeps its shards of them.
-    t.sdp->load_full_state([&](torch::optim::Optimizer& full) { saved.load_into(*t.w.chain, full, t.o.device); },
-                           *t.optimizer, t.optimizer_spec);
+    resume_gathered(saved);
   } else if (t.sharded_optimizer()) {
-    // The file holds the whole state (the single-process format): keep this rank's share.
+    // The files hold the whole state (the single-process format): keep this rank's share.
     auto full = make_optimizer(t.optimizer_spec, t.params);
-    saved.load_into(*t.w.chain, *full, t.o.device);
+    saved.load_into(*t.w.chain, *full, t.optimizer_spec, t.o.device);
     t.sdp->keep_owned_state(*full, *t.optimizer);
   } else {
-    saved.load_into(*t.w.chain, *t.optimizer, t.o.device);
+    saved.load_into(*t.w.chain, *t.optimizer, t.optimizer_spec, t.o.device);
   }
   t.resumed_meta = meta;
   t.start_step = meta.at("step").get<int64_t>();
@@ -248,9 +246,11 @@ void Trainer::make_planner() {
                                  .at(static_cast<size_t>(t.o.distributed.rank)).gradients;
   }
   if (t.sharded_weights() && t.primary && !t.o.save_dir.empty()) {
-    // Saving at stage 3: rank 0 holds the whole weights and state beside its shards.
+    // Saving at stage 3: rank 0 holds the largest block's whole weights and state beside its shards.
     const double per_byte = static_cast<double>(costs.optimizer.front().state_bytes) / static_cast<double>(std::max<int64_t>(1, t.sdp->owned_bytes()));
-    request.extra_bytes = t.sdp->parameter_bytes() + std::llround(per_byte * static_cast<double>(t.sdp->parameter_bytes()));
+    int64_t largest = 0;
+    for (const auto& b : t.sdp->block_bytes()) largest = std::max(largest, b.full);
+    request.extra_bytes = largest + std::llround(per_byte * static_cast<double>(largest));
   } else if (t.sharded_optimizer() && t.primary && !t.o.save_dir.empty()) {
     int64_t owned = 0;
     for (const auto& p : optimized) owned += static_cast<int64_t>(p.nbytes());
@@ -505,9 +505,9 @@ void Trainer::save(int64_t step) {
   if (t.sharded_optimizer()) {
     // Rank 0 saves the whole state, gathered from its owners: the single-process format.
     auto full = t.sdp->gather_optimizer_state(*t.optimizer, t.optimizer_spec);
-    if (t.primary) save_state(t.o.save_dir, *t.w.chain, *full, meta, t.o.device);
+    if (t.primary) save_state(t.o.save_dir, *t.w.chain, *full, t.optimizer_spec, meta, t.o.device);
   } else if (t.primary) {
-    save_state(t.o.save_dir, *t.w.chain, *t.optimizer, meta, t.o.device);
+    save_state(t.o.save_dir, *t.w.chain, *t.optimizer, t.optimizer_spec, meta, t.o.device);
   }
   if (t.primary && t.w.save_model) {
     // The trained model in its own format (TorchScript for a model that came as a file), for
@@ -519,20 +519,47 @@ void Trainer::save(int64_t step) {
 }
 
 void Trainer::save_gathered(const nlohmann::json& meta) {
-  // ZeRO 3: rank 0 gathers the whole weights and state, saves the single-process format (and
-  // the model file), then lets them go.
+  // ZeRO 3, block by block: rank 0 gathers one block's weights and state, writes its part of
+  // the single-process format and lets it go.
   TrainerState& t = *impl_;
-  auto full = t.sdp->gather_full_state(*t.optimizer, t.optimizer_spec);
-  if (t.primary) {
-    save_state(t.o.save_dir, *t.w.chain, *full, meta, t.o.device);
-    if (t.w.save_model) {
-      const std::string path = t.o.save_dir + "/model.pt";
-      t.w.save_model(path + ".tmp");
-      std::filesystem::rename(path + ".tmp", path);
-    }
+  std::vector<StatePart> parts = state_parts(*t.w.chain);
+  std::optional<StateWriter> writer;
+  if (t.primary) writer.emplace(t.o.save_dir, meta.at("step").get<int64_t>());
+  t.sdp->for_each_gathered_block_state(*t.optimizer, t.optimizer_spec, [&](int block, const auto& state) {
+    StatePart& part = parts.at(static_cast<size_t>(block));
+    put_parameter_state(part, t.w.chain->block_parameters(block, block), state);
+    writer->write_part(part);
+    put_parameter_state(part, {}, {});  // let the gathered state go
+  });
+  if (!t.primary) return;
+  writer->commit(meta, t.optimizer_spec, t.o.device);
+  if (t.w.save_model && !t.model_file_note) {
+    t.model_file_note = true;
+    t.out << "  note: model.pt is not written at ZeRO 3 (a model file needs the whole model in one process); "
+             "the saved state holds the trained weights\n";
   }
-  full.reset();
-  t.sdp->release_gathered_state();
+}
+
+void Trainer::resume_gathered(const SavedState& saved) {
+  // ZeRO 3, block by block: every rank reads block k's part, keeps its shards of it.
+  TrainerState& t = *impl_;
+  const std::vector<StatePart> live = state_parts(*t.w.chain);
+  if (saved.parts() != static_cast<int>(live.size())) {
+    throw std::runtime_error("cannot resume: " + saved.file().string() + " holds " + std::to_string(saved.parts()) +
+                             " parts, this model has " + std::to_string(live.size()) + " blocks");
+  }
+  t.sdp->load_block_states(
+      [&](int block) {
+        const StatePart part = saved.read_part(block);
+        const StatePart& mine = live.at(static_cast<size_t>(block));
+        check_part_fits(part, mine, t.optimizer_spec, saved.file().string() + " (block " + std::to_string(block) + ")");
+        copy_part_tensors(part, mine);
+        StatePart saved_on_mine = mine;  // the saved state, found by this model's tensors
+        saved_on_mine.parameter_state = part.parameter_state;
+        return parameter_state_of(saved_on_mine, t.w.chain->block_parameters(block, block));
+      },
+      *t.optimizer, t.optimizer_spec);
+  saved.restore_generators(t.o.device);
 }
 
 // --- summary -------------------------------------------------------------------------------------

@@ -65,6 +65,7 @@ struct TrainerState {
   TrainOptions o;
   std::ostream& out;
   bool primary = true;              // rank 0: writes the log, the report, saved state
+  bool model_file_note = false;     // ZeRO 3's "no model.pt" said once
   bool tty = false;
   BatchSlice local;                 // this rank's samples of each batch
   std::vector<at::Tensor> params;

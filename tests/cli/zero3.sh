@@ -103,7 +103,8 @@ grep -q "2 ranks at ZeRO stage 3" report.out && grep -q "the largest block gathe
   || bad "report at stage 3: $(grep -A4 'State per rank' report.out)"
 
 # 4. A budget B below the single-process floor: one process cannot train, 2 ranks at stage 3
-#    can, each rank's peak under B. The model is weight-heavy (AdamW: 16 bytes per parameter).
+#    can, saving every step and resuming, each rank's peak under B. The model is weight-heavy
+#    (AdamW: 16 bytes per parameter).
 heavy=(--layers 4 --d-model 256 --heads 4 --seq 16 --batch 4 --dropout 0 --precision fp32)
 "$memfit" plan "${heavy[@]}" --budget 1MiB > floor.out 2>&1
 floor=$(grep -o "smallest budget that works is [^(]*(\([0-9]*\) bytes)" floor.out | grep -o "([0-9]*" | tr -d '(' | head -1)
@@ -113,17 +114,23 @@ else
   budget=$((floor * 85 / 100))
   "$memfit" train "${heavy[@]}" "${quiet[@]}" --report "" --budget "$budget" --steps 2 --threads 1 > heavy_single.out 2>&1 \
     && bad "one process trained under $budget bytes, below its floor $floor" || ok
-  "$memfit" launch --nproc 2 -- train "${heavy[@]}" "${quiet[@]}" --report "" --budget "$budget" --steps 2 --zero 3 > heavy_z3.out 2>&1 \
-    || bad "stage 3 under $budget bytes (floor $floor) failed: $(tail -5 heavy_z3.out)"
-  py "$budget" "$floor" heavy_z3.out <<'PY' && ok || bad "stage 3 ranks over the budget"
+  # Saving every step (block by block: rank 0 never holds the whole model), then resuming.
+  "$memfit" launch --nproc 2 -- train "${heavy[@]}" "${quiet[@]}" --report "" --budget "$budget" --steps 2 --zero 3 \
+    --save heavy_st --save-every 1 > heavy_z3.out 2>&1 || bad "stage 3 under $budget bytes (floor $floor) failed: $(tail -5 heavy_z3.out)"
+  "$memfit" launch --nproc 2 -- train "${heavy[@]}" "${quiet[@]}" --report "" --budget "$budget" --steps 3 --zero 3 \
+    --resume heavy_st > heavy_resume.out 2>&1 || bad "stage 3 resume under $budget bytes failed: $(tail -5 heavy_resume.out)"
+  [ -f heavy_st/state-00000002.part-0001.pt ] && ok || bad "no saved parts: $(ls heavy_st)"
+  for out in heavy_z3.out heavy_resume.out; do
+    py "$budget" "$floor" $out <<'PY' && ok || bad "stage 3 ranks over the budget ($out)"
 import re, sys
 budget, floor, out = int(sys.argv[1]), int(sys.argv[2]), open(sys.argv[3]).read()
 peaks = {int(r): int(b) for r, b in re.findall(r"\[rank (\d)\]   peak [\d.]+ \w+ \((\d+) bytes\)", out)}
 assert sorted(peaks) == [0, 1], peaks
 for r, p in sorted(peaks.items()):
-    print(f"  single-process floor {floor} B; budget {budget} B; rank {r} peak {p} B ({p / budget:.3f} of the budget)")
+    print(f"  {sys.argv[3]}: single-process floor {floor} B; budget {budget} B; rank {r} peak {p} B ({p / budget:.3f} of the budget)")
     assert p <= budget, (r, p, budget)
 PY
+  done
 fi
 
 # 5. A rank killed mid-run at stage 3: the other exits non-zero with one clear line, within

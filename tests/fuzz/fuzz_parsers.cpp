@@ -736,13 +736,16 @@ TEST(FuzzSavedState, OpenRefusesEveryCorruptedVariant) {
   auto optimizer = make_optimizer(spec, model->parameters());
   model->forward(torch::randn({5, 4})).pow(2).sum().backward();
   optimizer->step();
-  save_state(original, *model, *optimizer, json{{"step", 3}}, c10::kCPU);
+  save_state(original, *model, *optimizer, spec, json{{"step", 3}}, c10::kCPU);
 
-  const fs::path state_name = "state-00000003.pt";
-  const std::string state = read_bytes(original / state_name);
+  // The head (meta, optimizer spec, generators) and one part (a Linear: its own parameters).
+  const std::vector<fs::path> state_names = {"state-00000003.pt", "state-00000003.part-0000.pt"};
+  std::map<fs::path, std::string> originals;
+  for (const auto& name : state_names) originals[name] = read_bytes(original / name);
   const std::string manifest_text = read_bytes(original / "state.json");
   const json manifest = json::parse(manifest_text);
-  ASSERT_GT(state.size(), 100u);
+  ASSERT_EQ(manifest["files"].size(), 2u);
+  for (const auto& [name, bytes] : originals) ASSERT_GT(bytes.size(), 100u) << name;
 
   // The untouched original opens and loads into a fresh model and optimizer.
   {
@@ -750,16 +753,10 @@ TEST(FuzzSavedState, OpenRefusesEveryCorruptedVariant) {
     EXPECT_EQ(saved.meta().at("step").get<int64_t>(), 3);
     torch::nn::Linear fresh = make_model();
     auto fresh_optimizer = make_optimizer(spec, fresh->parameters());
-    saved.load_into(*fresh, *fresh_optimizer, c10::kCPU);
+    saved.load_into(*fresh, *fresh_optimizer, spec, c10::kCPU);
     EXPECT_EQ(weights_sha256(*fresh), weights_sha256(*model));
   }
 
-  const std::vector<ZipRecord> records = zip_records(state);
-  std::vector<ZipRecord> tensors;
-  for (const auto& r : records) {
-    if (r.name.find("/data/") != std::string::npos && r.size > 0) tensors.push_back(r);
-  }
-  ASSERT_FALSE(tensors.empty()) << "no stored tensor records found in the archive (" << records.size() << " records)";
 
   int variants = 0, refused = 0, accepted = 0, failures = 0, resigned = 0, resigned_refused = 0, resigned_accepted = 0,
       resigned_crashed = 0;
@@ -771,14 +768,14 @@ TEST(FuzzSavedState, OpenRefusesEveryCorruptedVariant) {
   // the corrupted state file: the archive reader itself is fuzzed (in a child process), and may
   // accept (LibTorch checks no CRC of tensor records) but only ever throws a one-line
   // std::runtime_error; a crash there is LibTorch's, counted and printed, not failed.
-  auto variant = [&](const std::string& what, const std::function<void(const fs::path&)>& change, bool resign = false) {
+  // `resign`: the manifest entry of that file (index into state_names) is rewritten.
+  auto variant = [&](const std::string& what, const std::function<void(const fs::path&)>& change, int resign = -1) {
     if (failures >= kMaxFailures) return;
     const fs::path dir = root / ("v" + std::to_string(counter++));
     fs::copy(original, dir, fs::copy_options::recursive);
     change(dir);
-    const bool same = fs::is_regular_file(dir / state_name) && fs::is_regular_file(dir / "state.json") &&
-                      read_bytes(dir / state_name) == state &&
-                      read_bytes(dir / "state.json") == manifest_text;
+    bool same = fs::is_regular_file(dir / "state.json") && read_bytes(dir / "state.json") == manifest_text;
+    for (const auto& [name, bytes] : originals) same = same && fs::is_regular_file(dir / name) && read_bytes(dir / name) == bytes;
     if (same) {  // a change that changed nothing (zeroes over zeroes): not a variant
       fs::remove_all(dir);
       return;
@@ -797,11 +794,11 @@ TEST(FuzzSavedState, OpenRefusesEveryCorruptedVariant) {
     } else {
       ++refused;
     }
-    if (resign && fs::is_regular_file(dir / state_name)) {
-      const std::string bytes = read_bytes(dir / state_name);
+    if (resign >= 0 && fs::is_regular_file(dir / state_names[static_cast<size_t>(resign)])) {
+      const std::string bytes = read_bytes(dir / state_names[static_cast<size_t>(resign)]);
       json m = manifest;
-      m["files"][0]["bytes"] = static_cast<int64_t>(bytes.size());
-      m["files"][0]["sha256"] = sha256_hex(bytes.data(), bytes.size());
+      m["files"][resign]["bytes"] = static_cast<int64_t>(bytes.size());
+      m["files"][resign]["sha256"] = sha256_hex(bytes.data(), bytes.size());
       write_bytes(dir / "state.json", m.dump(2) + "\n");
       ++resigned;
       std::string resigned_message;
@@ -810,7 +807,7 @@ TEST(FuzzSavedState, OpenRefusesEveryCorruptedVariant) {
             SavedState saved = SavedState::open(dir);
             torch::nn::Linear fresh = make_model();
             auto fresh_optimizer = make_optimizer(spec, fresh->parameters());
-            saved.load_into(*fresh, *fresh_optimizer, c10::kCPU);
+            saved.load_into(*fresh, *fresh_optimizer, spec, c10::kCPU);
           },
           &resigned_message);
       if (resigned_kind == "crashed") {
@@ -833,11 +830,11 @@ TEST(FuzzSavedState, OpenRefusesEveryCorruptedVariant) {
     }
     fs::remove_all(dir);
   };
-  auto edit_state = [&](const std::function<void(std::string&)>& edit) {
-    return [&, edit](const fs::path& dir) {
-      std::string bytes = read_bytes(dir / state_name);
+  auto edit_state = [&](const fs::path& name, const std::function<void(std::string&)>& edit) {
+    return [&, name, edit](const fs::path& dir) {
+      std::string bytes = read_bytes(dir / name);
       edit(bytes);
-      write_bytes(dir / state_name, bytes);
+      write_bytes(dir / name, bytes);
     };
   };
   auto edit_manifest = [&](const std::function<void(json&)>& edit) {
@@ -849,57 +846,68 @@ TEST(FuzzSavedState, OpenRefusesEveryCorruptedVariant) {
   };
   auto position = [&](size_t size) { return static_cast<size_t>(gen.pick(size)); };
 
-  // The state file: truncated, flipped (anywhere, and inside tensor records), zeroed,
-  // shortened inside a record (bytes cut from the middle, the rest kept), grown.
-  for (int64_t i = 0; i < random_per_kind; ++i) {
-    const size_t length = position(state.size());
-    variant("state truncated to " + std::to_string(length) + " bytes",
-            edit_state([length](std::string& b) { b.resize(length); }), true);
+  // Each state file (the head, the part): truncated, flipped (anywhere, and inside tensor
+  // records), zeroed, shortened inside a record (bytes cut from the middle, the rest kept), grown.
+  for (int f = 0; f < static_cast<int>(state_names.size()); ++f) {
+    const fs::path name = state_names[static_cast<size_t>(f)];
+    const std::string& state = originals[name];
+    const std::string in = name.string() + ": ";
+    const std::vector<ZipRecord> records = zip_records(state);
+    std::vector<ZipRecord> tensors;
+    for (const auto& r : records) {
+      if (r.name.find("/data/") != std::string::npos && r.size > 0) tensors.push_back(r);
+    }
+    ASSERT_FALSE(tensors.empty()) << "no stored tensor records found in " << name << " (" << records.size() << " records)";
+    for (int64_t i = 0; i < random_per_kind; ++i) {
+      const size_t length = position(state.size());
+      variant(in + "truncated to " + std::to_string(length) + " bytes",
+              edit_state(name, [length](std::string& b) { b.resize(length); }), f);
+    }
+    for (int64_t i = 0; i < random_per_kind; ++i) {
+      const size_t at = position(state.size());
+      const auto mask = static_cast<char>(1 + gen.pick(255));
+      variant(in + "byte " + std::to_string(at) + " flipped", edit_state(name, [at, mask](std::string& b) { b[at] ^= mask; }), f);
+    }
+    for (int64_t i = 0; i < random_per_kind; ++i) {
+      const ZipRecord& r = tensors[gen.pick(tensors.size())];
+      const size_t at = r.offset + position(r.size);
+      const auto mask = static_cast<char>(1 + gen.pick(255));
+      variant(in + "byte " + std::to_string(at - r.offset) + " of tensor record " + r.name + " flipped",
+              edit_state(name, [at, mask](std::string& b) { b[at] ^= mask; }), f);
+    }
+    for (int64_t i = 0; i < random_per_kind; ++i) {
+      const size_t at = position(state.size());
+      const size_t length = 1 + position(std::min<size_t>(64, state.size() - at));
+      variant(in + "bytes " + std::to_string(at) + ".." + std::to_string(at + length) + " zeroed",
+              edit_state(name, [at, length](std::string& b) { std::fill_n(b.begin() + static_cast<std::ptrdiff_t>(at), length, '\0'); }),
+              f);
+    }
+    for (int64_t i = 0; i < random_per_kind; ++i) {
+      const ZipRecord& r = records[gen.pick(records.size())];
+      if (r.size < 2) continue;
+      const size_t at = r.offset + position(r.size - 1);
+      const size_t length = 1 + position(r.offset + r.size - at - 1);
+      variant(in + "record " + r.name + " shortened: " + std::to_string(length) + " bytes cut at " + std::to_string(at - r.offset),
+              edit_state(name, [at, length](std::string& b) { b.erase(at, length); }), f);
+    }
+    for (int64_t i = 0; i < random_per_kind / 3; ++i) {
+      const size_t at = position(state.size() + 1);
+      const std::string junk = gen.text() + "x";
+      variant(in + "'" + shown(junk) + "' inserted at " + std::to_string(at),
+              edit_state(name, [at, junk](std::string& b) { b.insert(at, junk); }), f);
+    }
+    variant(in + "emptied", edit_state(name, [](std::string& b) { b.clear(); }));
+    variant(in + "deleted", [name](const fs::path& dir) { fs::remove(dir / name); });
+    variant(in + "replaced by a directory", [name](const fs::path& dir) {
+      fs::remove(dir / name);
+      fs::create_directory(dir / name);
+    });
   }
-  for (int64_t i = 0; i < random_per_kind; ++i) {
-    const size_t at = position(state.size());
-    const auto mask = static_cast<char>(1 + gen.pick(255));
-    variant("state byte " + std::to_string(at) + " flipped", edit_state([at, mask](std::string& b) { b[at] ^= mask; }), true);
-  }
-  for (int64_t i = 0; i < random_per_kind; ++i) {
-    const ZipRecord& r = tensors[gen.pick(tensors.size())];
-    const size_t at = r.offset + position(r.size);
-    const auto mask = static_cast<char>(1 + gen.pick(255));
-    variant("byte " + std::to_string(at - r.offset) + " of tensor record " + r.name + " flipped",
-            edit_state([at, mask](std::string& b) { b[at] ^= mask; }), true);
-  }
-  for (int64_t i = 0; i < random_per_kind; ++i) {
-    const size_t at = position(state.size());
-    const size_t length = 1 + position(std::min<size_t>(64, state.size() - at));
-    variant("state bytes " + std::to_string(at) + ".." + std::to_string(at + length) + " zeroed",
-            edit_state([at, length](std::string& b) { std::fill_n(b.begin() + static_cast<std::ptrdiff_t>(at), length, '\0'); }),
-            true);
-  }
-  for (int64_t i = 0; i < random_per_kind; ++i) {
-    const ZipRecord& r = records[gen.pick(records.size())];
-    if (r.size < 2) continue;
-    const size_t at = r.offset + position(r.size - 1);
-    const size_t length = 1 + position(r.offset + r.size - at - 1);
-    variant("record " + r.name + " shortened: " + std::to_string(length) + " bytes cut at " + std::to_string(at - r.offset),
-            edit_state([at, length](std::string& b) { b.erase(at, length); }), true);
-  }
-  for (int64_t i = 0; i < random_per_kind / 3; ++i) {
-    const size_t at = position(state.size() + 1);
-    const std::string junk = gen.text() + "x";
-    variant("'" + shown(junk) + "' inserted at " + std::to_string(at),
-            edit_state([at, junk](std::string& b) { b.insert(at, junk); }), true);
-  }
-  variant("state file emptied", edit_state([](std::string& b) { b.clear(); }));
-  variant("state file deleted", [&](const fs::path& dir) { fs::remove(dir / state_name); });
-  variant("state file replaced by a directory", [&](const fs::path& dir) {
-    fs::remove(dir / state_name);
-    fs::create_directory(dir / state_name);
-  });
-  variant("state file replaced by another model's state", [&](const fs::path& dir) {
+  variant("state files replaced by another model's", [&](const fs::path& dir) {
     torch::nn::Linear other(4, 4);
     auto other_optimizer = make_optimizer(spec, other->parameters());
-    save_state(root / "other", *other, *other_optimizer, json{{"step", 3}}, c10::kCPU);
-    fs::copy_file(root / "other" / state_name, dir / state_name, fs::copy_options::overwrite_existing);
+    save_state(root / "other", *other, *other_optimizer, spec, json{{"step", 3}}, c10::kCPU);
+    for (const auto& name : state_names) fs::copy_file(root / "other" / name, dir / name, fs::copy_options::overwrite_existing);
     fs::remove_all(root / "other");
   });
 
@@ -952,7 +960,15 @@ TEST(FuzzSavedState, OpenRefusesEveryCorruptedVariant) {
   variant("manifest name is a number", edit_manifest([](json& m) { m["files"][0]["name"] = 3; }));
   variant("manifest name missing", edit_manifest([](json& m) { m["files"][0].erase("name"); }));
   variant("manifest files missing", edit_manifest([](json& m) { m.erase("files"); }));
-  variant("manifest format 3 (a future memfit's)", edit_manifest([](json& m) { m["format"] = 3; }));
+  variant("manifest format 4 (a future memfit's)", edit_manifest([](json& m) { m["format"] = 4; }));
+  variant("manifest format 2 (an older memfit's)", edit_manifest([](json& m) { m["format"] = 2; }));
+  variant("manifest without its part", edit_manifest([](json& m) { m["files"].erase(1); }));
+  variant("manifest with the part twice", edit_manifest([](json& m) { m["files"].push_back(m["files"][1]); }));
+  variant("manifest with head and part swapped", edit_manifest([](json& m) { std::swap(m["files"][0], m["files"][1]); }));
+  for (const std::string name : {"state-00000003.part-0001.pt", "state-00000003.part-0.pt", "state-00000004.part-0000.pt",
+                                 "../state-00000003.part-0000.pt", "state-00000003.pt", "state-00000003.part-0000.pt/"}) {
+    variant("manifest names the part '" + shown(name) + "'", edit_manifest([name](json& m) { m["files"][1]["name"] = name; }));
+  }
   variant("manifest format 'two'", edit_manifest([](json& m) { m["format"] = "two"; }));
   variant("directory is a file", [](const fs::path& dir) {
     fs::remove_all(dir);

@@ -25,9 +25,10 @@
 //            sends in rank order (Gloo has no reduce_scatter, and its reduce sums in an order
 //            of its own): the sums, so the weights, equal single-process training bit for bit.
 //            At most one block is gathered at a time (no prefetch). Construct it from the
-//            Chain; optimized_parameters() are the shards. Saving gathers every shard of the
-//            weights and of the (fp32) optimizer state on rank 0, in the single-process
-//            format; resuming loads the whole state and keeps this rank's shards.
+//            Chain; optimized_parameters() are the shards. Saving gathers one block at a
+//            time on rank 0 (its weights and fp32 optimizer state), which writes that block's
+//            part of the single-process format; resuming reads one block's part at a time and
+//            keeps this rank's shards of it.
 //
 //   memfit::DistributedContext ctx(options);                  // rendezvous at options.master
 //   memfit::ShardedDataParallel sdp(ctx, *chain, 2);           // stage 3 likewise, from the chain
@@ -45,6 +46,7 @@
 #include <cstdint>
 #include <functional>
 #include <memory>
+#include <optional>
 #include <stdexcept>
 #include <string>
 #include <utility>
@@ -179,18 +181,22 @@ class ShardedDataParallel {
   // Gathers the blocks one at a time, in order, calls `visit` with each block's parameters
   // (full values) and releases them: hashing, dumping. One block's bytes at a time.
   void for_each_gathered_block(const std::function<void(const std::vector<at::Tensor>&)>& visit);
-  // Saving: rank 0 receives every block's shards of the weights, into the chain's
-  // parameters, and of the optimizer state (of `spec`: fp32 state, any family), into the
-  // returned optimizer over those parameters: the single-process format, saved from rank 0;
-  // other ranks get nullptr. Rank 0 holds the whole weights and state until
-  // release_gathered_state() (the trainer plans for those bytes, as for stages 1 and 2).
-  std::unique_ptr<torch::optim::Optimizer> gather_full_state(torch::optim::Optimizer& sharded, const OptimizerSpec& spec);
-  void release_gathered_state();
-  // Resuming: `load` fills whole parameters (the chain's, every block gathered meanwhile) and
-  // a whole optimizer of `spec` over them from a saved file; each rank then keeps its shards of
-  // the weights and of the state (moved into `sharded`) and the rest is released.
-  void load_full_state(const std::function<void(torch::optim::Optimizer& full)>& load, torch::optim::Optimizer& sharded,
-                       const OptimizerSpec& spec);
+  // Saving, one block at a time (fp32 state of any family; every rank calls it): for each block
+  // in order, rank 0 receives every rank's shard of its weights (into the chain's parameters)
+  // and of their optimizer state, runs `write(block, state)` with the state of each of the
+  // block's parameters (Chain::block_parameters order; none before the first step), then
+  // releases the block. Blocks without parameters are written too. Rank 0 holds at most the
+  // largest block's weights and state beside its shards (the trainer plans for those bytes).
+  using BlockState = std::vector<std::optional<ParamStateRecord>>;  // per parameter of a block
+  void for_each_gathered_block_state(torch::optim::Optimizer& sharded, const OptimizerSpec& spec,
+                                     const std::function<void(int block, const BlockState& state)>& write);
+  // Resuming, one block at a time: for each block in order, the block is gathered, `load(block)`
+  // fills its parameters (whole values) and returns their saved state, and each rank keeps its
+  // range of both (the state moved into `sharded`); then the block is released. Throws
+  // std::runtime_error if a block's parameters were saved with unequal optimizer steps (a
+  // shard has one).
+  void load_block_states(const std::function<BlockState(int block)>& load, torch::optim::Optimizer& sharded,
+                         const OptimizerSpec& spec);
   // Every block gathered and the chain running plainly, for the life of the scope: profiling
   // the model as a single process would run it (it holds the whole model meanwhile).
   class FullWeights {
@@ -222,6 +228,8 @@ class ShardedDataParallel {
   void set_views(BlockShard& b, const at::Tensor& flat);  // the parameters become views of a flat block
   at::Tensor own_range(const BlockShard& b, const at::Tensor& flat) const;  // this rank's s elements of a flat block
   at::Tensor gather_to_rank0(const at::Tensor& piece, int64_t s, const char* what);  // rank 0: all ranks' pieces
+  BlockState gather_state_to_rank0(BlockShard& b, torch::optim::Optimizer& sharded, const char* what);
+  void keep_own_state(BlockShard& b, const BlockState& state, torch::optim::Optimizer& sharded, const OptimizerSpec& spec);
   void release(BlockShard& b);
   at::Tensor reduce_to_shard(BlockShard& b, std::vector<at::Tensor> full_grads);
   at::Tensor sum_in_rank_order(at::Tensor mine, int owner);

@@ -41,6 +41,8 @@
 
 namespace memfit {
 
+class SavedState;  // train/saved_state.h
+
 struct TrainOptions {
   int64_t batch = 16;               // samples per optimizer step, over all ranks
   int64_t steps = 30;               // counted from the start of training, resumes included
@@ -131,6 +133,7 @@ class Trainer {
   void resume_state_precision(const nlohmann::json& meta, const std::string& where);
   void resume();
   void save_gathered(const nlohmann::json& meta);  // ZeRO 3's save
+  void resume_gathered(const SavedState& saved);   // ZeRO 3's resume
   void make_planner();
   void choose_budget();
   void choose_plan();
