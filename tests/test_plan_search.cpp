@@ -34,9 +34,8 @@ PrecisionProfile hand_profile(Precision precision, double time_scale) {
     cp.micro_batch = m;
     for (int64_t a : acts) cp.blocks.push_back(block_at(m, a, 0.001 * time_scale, 40000));
   }
-  p.chain_seconds_small = 0.03 * time_scale;  // 3 x forward (fwd + 2 x bwd) x 4 blocks x 2 samples...
-  p.chain_seconds_large = 0.05 * time_scale;  // ...with a fixed cost per micro-batch
-  p.chain_seconds_full = 0.09 * time_scale;
+  // 3 x forward (fwd + 2 x bwd) x 4 blocks x m samples, with a fixed cost per micro-batch
+  p.chain_seconds = {{1, 0.02 * time_scale}, {2, 0.03 * time_scale}, {4, 0.05 * time_scale}, {8, 0.09 * time_scale}};
   return p;
 }
 
@@ -106,6 +105,49 @@ TEST(PlanSearchTest, ChosenPlanIsTheFastestThatFitsAmongAllSchedulesAndSizes) {
       }
     }
   }
+}
+
+// Below the profiled sizes the time model guesses (proportionally: optimistic); a plan that
+// would run such a size times it first and plans again with the measured point, which can
+// change the choice.
+TEST(PlanSearchTest, MicroBatchesBelowTheProfiledSizesAreTimedWhenAPlanWouldRunThem) {
+  WorkloadProfile w = hand_workload();
+  w.precisions.front().chain_seconds = {{2, 0.03}, {4, 0.05}, {8, 0.09}};  // 1 not timed
+  Planner planner(w, hand_request());
+  const Plan plain = planner.plan(int64_t{1} << 40);
+  std::vector<int64_t> timed;
+  const auto timer = [&](Precision precision, int64_t m) {
+    EXPECT_EQ(precision, Precision::kFP32);
+    timed.push_back(m);
+    return 0.5;  // a micro-batch of 1 is far slower than any line through 2, 4 and 8 says
+  };
+  // Ample budget: no plan runs below 2, nothing is timed.
+  EXPECT_EQ(plan_timing_as_needed(planner, int64_t{1} << 40, timer).config.micro_batch_size(), 8);
+  EXPECT_TRUE(timed.empty());
+  // The tightest budget that plans (slot rounding: half a percent over the floor): only
+  // micro-batches of 1 fit; they are timed, once.
+  const int64_t floor = planner.floor_bytes();
+  int count = 0;
+  const Plan tight = plan_timing_as_needed(planner, floor + floor / 200, timer, &count);
+  ASSERT_TRUE(tight.feasible);
+  EXPECT_EQ(tight.config.micro_batch_size(), 1);
+  EXPECT_EQ(timed, std::vector<int64_t>{1});
+  EXPECT_EQ(count, 1);
+  EXPECT_TRUE(planner.untimed_sizes(tight).empty());
+  EXPECT_GE(tight.predicted_seconds, 8 * 0.5);  // the measured point, not the guess
+  // Where 1 sample per micro-batch was the guess's best, the measured point moves the plan
+  // to 2 with more recomputed (a budget between the two floors).
+  int moved = 0;
+  for (int percent = 60; percent >= 10; --percent) {
+    const auto budget = static_cast<int64_t>(percent / 100.0 * static_cast<double>(plain.plain_predicted_peak));
+    Planner fresh(w, hand_request());
+    const Plan guessed = fresh.plan(budget);
+    const Plan two = fresh.evaluate(2, Precision::kFP32, CheckpointPlan::all(4), budget);
+    if (!guessed.feasible || guessed.config.micro_batch_size() != 1 || !two.feasible) continue;
+    EXPECT_EQ(plan_timing_as_needed(fresh, budget, timer).config.micro_batch_size(), 2) << percent << "%";
+    ++moved;
+  }
+  EXPECT_GT(moved, 0) << "no budget where the guess chose 1 and 2 fits: the case above is not exercised";
 }
 
 TEST(PlanSearchTest, FloorIsTheSmallestBudgetThatPlans) {

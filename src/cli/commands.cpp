@@ -170,10 +170,18 @@ int run_plan_command(WorkloadFlags& wf, const StepFlags& sf, const PlanFlags& f)
   w.chain->to(request.step.device);
   const Batch batch = w.data->train_batch(0, request.step.batch, w.seed).to(request.step.device);
   CostsSource source;
-  const Planner planner = measure_and_plan(w, batch, precisions, request, *tracker, {}, profile_cache_options(sf), &source);
+  Planner planner = measure_and_plan(w, batch, precisions, request, *tracker, {}, profile_cache_options(sf), &source);
   const auto t1 = std::chrono::steady_clock::now();
-  Plan plan = planner.plan();
+  int timed = 0;
+  Plan plan = plan_timing_as_needed(planner, 0, [&](Precision precision, int64_t m) {
+    return time_plain_chain(w, batch, precision, m, *tracker);
+  }, &timed);
   const double solve_s = seconds_since(t1);
+  if (timed > 0) {  // the cache keeps the sizes timed for the search
+    MeasuredCosts grown{planner.profile(), {planner.request().optimizer}};
+    for (const auto& c : planner.request().optimizer_alternatives) grown.optimizer.push_back(c);
+    store_costs(source, grown);
+  }
   Verification v;
   const bool verified = f.verify && plan.feasible;
   if (verified) v = verify_plan(w, planner, plan, *tracker, /*measure_plain=*/true);

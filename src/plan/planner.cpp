@@ -60,20 +60,60 @@ ChainCosts Planner::costs_at(int64_t m, Precision precision) const {
 }
 
 double Planner::chain_seconds(int64_t m, const PrecisionProfile& p) const {
-  // The plain chain's measured seconds at m: the line through the two measured sizes, never
-  // falling with m and never below zero at m = 0 (a fixed cost per micro-batch is real; a
-  // negative one would make small micro-batches look cheaper per sample than they are).
-  const int64_t m1 = p.small.micro_batch, m2 = p.large.micro_batch, B = profile_.batch;
-  if (m > m2 && B > m2 && p.chain_seconds_full > 0) {
-    // Above the larger profiled size: the line to the whole batch's estimate.
-    const double slope = std::max(0.0, (p.chain_seconds_full - p.chain_seconds_large) / static_cast<double>(B - m2));
-    return p.chain_seconds_large + slope * static_cast<double>(m - m2);
+  // The plain chain's seconds at m: a measured point, or the line between the two around m;
+  // above the largest, that line's last piece continued (never falling with m); below the
+  // smallest (a size the profile did not try, e.g. a pinned one), proportional to m: a fixed
+  // cost per micro-batch is real, but not known there.
+  const auto& t = p.chain_seconds;
+  TORCH_CHECK(!t.empty(), "memfit::Planner: a precision profile without chain times");
+  if (t.size() == 1 || m <= t.front().micro_batch) {
+    return t.front().seconds * static_cast<double>(m) / static_cast<double>(t.front().micro_batch);
   }
-  if (m2 <= m1) return p.chain_seconds_large;
-  const double slope = std::max(0.0, (p.chain_seconds_large - p.chain_seconds_small) / static_cast<double>(m2 - m1));
-  const double intercept = p.chain_seconds_large - slope * static_cast<double>(m2);
-  return intercept >= 0 ? intercept + slope * static_cast<double>(m)
-                        : p.chain_seconds_large * static_cast<double>(m) / static_cast<double>(m2);
+  size_t hi = 1;  // the first point at or above m, or the last
+  while (hi < t.size() - 1 && t[hi].micro_batch < m) ++hi;
+  const ChainSeconds& lo_point = t[hi - 1];
+  const ChainSeconds& hi_point = t[hi];
+  const double slope = std::max(0.0, (hi_point.seconds - lo_point.seconds) /
+                                         static_cast<double>(hi_point.micro_batch - lo_point.micro_batch));
+  return lo_point.seconds + slope * static_cast<double>(m - lo_point.micro_batch);
+}
+
+std::vector<int64_t> Planner::untimed_sizes(const Plan& plan) const {
+  std::vector<int64_t> sizes;
+  if (!plan.feasible) return sizes;
+  const auto& t = precision_profile(plan.config.precision).chain_seconds;
+  const int64_t m = plan.config.micro_batch_size(), rest = profile_.batch % m;
+  for (int64_t size : {m, rest}) {
+    if (size > 0 && !t.empty() && size < t.front().micro_batch) sizes.push_back(size);
+  }
+  return sizes;
+}
+
+void Planner::add_chain_seconds(Precision precision, int64_t m, double seconds) {
+  for (auto& pp : profile_.precisions) {
+    if (pp.precision != precision) continue;
+    auto& t = pp.chain_seconds;
+    auto at = std::find_if(t.begin(), t.end(), [m](const ChainSeconds& c) { return c.micro_batch >= m; });
+    if (at != t.end() && at->micro_batch == m) {
+      at->seconds = seconds;
+    } else {
+      t.insert(at, ChainSeconds{m, seconds});
+    }
+  }
+}
+
+Plan plan_timing_as_needed(Planner& planner, int64_t budget_bytes, const ChainTimer& time_chain, int* timed) {
+  int count = 0;
+  Plan plan = planner.plan(budget_bytes);
+  // Each round adds a point below the smallest: at most log2(batch) rounds.
+  for (std::vector<int64_t> sizes = planner.untimed_sizes(plan); !sizes.empty() && time_chain;
+       sizes = planner.untimed_sizes(plan)) {
+    for (int64_t m : sizes) planner.add_chain_seconds(plan.config.precision, m, time_chain(plan.config.precision, m));
+    count += static_cast<int>(sizes.size());
+    plan = planner.plan(budget_bytes);
+  }
+  if (timed != nullptr) *timed = count;
+  return plan;
 }
 
 ChainCosts Planner::costs_at(int64_t m, const PrecisionProfile& p, const OptimizerCost& optimizer) const {

@@ -40,8 +40,20 @@ struct ChainRun {
     zero_grad(params, true);
     return s;
   }
-  // The faster of two runs (the bytes are the same each time).
-  double best_of_two(int64_t m, int64_t* peak = nullptr) { return std::min((*this)(m, peak), (*this)(m)); }
+  // The fastest of `runs` runs (the bytes are the same each time): the first run at a new size
+  // pays for first use (oneDNN builds kernels per shape), and this machine's neighbours only
+  // ever make a run slower.
+  double best_of(int runs, int64_t m, int64_t* peak = nullptr) {
+    double best = (*this)(m, peak);
+    for (int i = 1; i < runs; ++i) best = std::min(best, (*this)(m));
+    return best;
+  }
+  // The median of three runs: a typical run's, as a step's median is.
+  double median_of_three(int64_t m) {
+    double t[3] = {(*this)(m), (*this)(m), (*this)(m)};
+    std::sort(t, t + 3);
+    return t[1];
+  }
 };
 
 // The two profiled sizes: a quarter and a half of the batch (at least 1 and 2), small enough
@@ -52,31 +64,31 @@ std::pair<int64_t, int64_t> profiled_sizes(int64_t batch) {
   return {a, b};
 }
 
-// The whole plain chain at both sizes. Its bytes at the larger size calibrate the blocks'
-// bytes: what the per-block model misses (the loss's buffers, engine bookkeeping) is mostly
-// proportional to activations. Its seconds are the time model: blocks timed alone miss how the
-// whole chain runs (caches, threads), and small micro-batches pay per-call costs that only a
-// real run shows.
-void time_whole_chain(Workload& w, const Batch& batch, MemoryTracker& tracker, PrecisionProfile& pp) {
-  const int64_t a = pp.small.micro_batch, b = pp.large.micro_batch, B = batch.size();
-  StepConfig config;
-  config.precision = pp.precision;
-  ChainRun run{w, batch, tracker, StepOptions{config}};
-  int64_t measured = 0;
-  pp.chain_seconds_large = run.best_of_two(b, &measured);
-  pp.chain_seconds_small = b > a ? run.best_of_two(a) : pp.chain_seconds_large;
-  if (B > b) {
-    // The whole batch too, for the time line above b (where micro-batching is decided), but
-    // with every block recomputed, so that profiling needs little more memory than the
-    // smallest plan. The same run at b, against the plain one there, says what recomputing
-    // costs; that ratio takes it out again. One run each: the chain is warm by now, and these
-    // two runs are the costliest part of profiling.
-    run.options.config.checkpoint = CheckpointPlan::all(w.chain->size());
-    const double all_large = run(b);
-    const double all_full = run(B);
-    pp.chain_seconds_full = all_large > 0 ? all_full * pp.chain_seconds_large / all_large : all_full;
+// The time model's points at a and b (see profile.h), the chain warm already: a runs once.
+// Above b, a CPU's time grows linearly with the micro-batch (measured here: the line through a
+// and b predicts the whole batch of the GPTs and the CNN within the noise, where one run at a
+// new size pays for first use), so the planner continues the line. Elsewhere (a GPU's
+// occupancy bends the line) the whole batch runs once with every block recomputed (little
+// memory), and the forward without grad that recomputing adds (its share measured on the
+// blocks at b) is taken out again.
+void time_chain(ChainRun& run, int64_t B, double plain_b, PrecisionProfile& pp) {
+  const int64_t a = pp.small.micro_batch, b = pp.large.micro_batch;
+  pp.chain_seconds = {{b, plain_b}};
+  if (a < b) pp.chain_seconds.insert(pp.chain_seconds.begin(), {a, run(a)});
+  if (B > b && run.batch.input.device().type() != c10::kCPU) {
+    double blocks = 0;
+    for (const auto& c : pp.large.blocks) blocks += c.forward_seconds + c.backward_seconds;
+    const double share = blocks > 0 ? pp.large.forward_nograd_seconds / blocks : 0.0;
+    run.options.config.checkpoint = CheckpointPlan::all(run.workload.chain->size());
+    pp.chain_seconds.push_back({B, run(B) / (1.0 + share)});
+    run.options.config.checkpoint = CheckpointPlan::none();
   }
-  const int64_t predicted = evaluate_schedule(block_costs_at(pp, b), {}).peak_bytes;
+}
+
+// The plain chain's measured bytes at b against the blocks' model of them: what the per-block
+// model misses (the loss's buffers, engine bookkeeping) is mostly proportional to activations.
+void calibrate(PrecisionProfile& pp, int64_t measured) {
+  const int64_t predicted = evaluate_schedule(block_costs_at(pp, pp.large.micro_batch), {}).peak_bytes;
   if (predicted > 0) pp.calibration = std::clamp(static_cast<double>(measured) / static_cast<double>(predicted), 0.8, 1.5);
 }
 
@@ -88,13 +100,14 @@ namespace {
 // block kept its own input for backward (then the previous block's output stays alive).
 struct BlockRun {
   BlockCost cost;
+  double forward_nograd_seconds = 0;
   at::Tensor next_input;
   bool kept_input = false;
 };
 
 // Block i alone on input x (detached): its forward without grad (as inside a checkpointed
-// segment), then twice forward + backward with grad; bytes are the same each run, the faster
-// time counts. The last block carries the loss.
+// segment), then forward + backward with grad, once (the chain ran before: warm). The last
+// block carries the loss.
 BlockRun run_block(Workload& w, int i, const at::Tensor& x, const at::Tensor& target, Precision precision,
                    MemoryTracker& tracker) {
   Chain& chain = *w.chain;
@@ -117,11 +130,12 @@ BlockRun run_block(Workload& w, int i, const at::Tensor& x, const at::Tensor& ta
     Autocast autocast(device, precision);
     const int64_t live0 = tracker.current();
     tracker.reset_peak();
+    const auto t0 = Clock::now();
     at::Tensor y = block.forward(xi);
+    r.forward_nograd_seconds = seconds_since(t0);
     c.forward_nograd_peak = tracker.peak() - live0;
   }
-  c.forward_seconds = c.backward_seconds = 1e30;
-  for (int run = 0; run < 2; ++run) {
+  {
     const auto uses = xi.use_count();
     const auto storage_uses = xi.storage().use_count();
     const int64_t live0 = tracker.current();
@@ -133,9 +147,9 @@ BlockRun run_block(Workload& w, int i, const at::Tensor& x, const at::Tensor& ta
       y = block.forward(xi);
       out = last ? w.loss(y, target) : y;
     }
-    c.forward_seconds = std::min(c.forward_seconds, seconds_since(t0));
+    c.forward_seconds = seconds_since(t0);
     c.forward_peak = tracker.peak() - live0;
-    if (run == 0) r.kept_input = xi.use_count() > uses || xi.storage().use_count() > storage_uses;
+    r.kept_input = xi.use_count() > uses || xi.storage().use_count() > storage_uses;
     if (!last) r.next_input = y.detach();
     y = at::Tensor();
     c.output_bytes = static_cast<int64_t>(out.storage().nbytes());
@@ -145,7 +159,7 @@ BlockRun run_block(Workload& w, int i, const at::Tensor& x, const at::Tensor& ta
     tracker.reset_peak();
     t0 = Clock::now();
     out.backward(g);
-    c.backward_seconds = std::min(c.backward_seconds, seconds_since(t0));
+    c.backward_seconds = seconds_since(t0);
     c.backward_peak = tracker.peak() - live1;
     out = at::Tensor();
     g = at::Tensor();
@@ -169,6 +183,7 @@ ChainProfile profile_chain(Workload& w, const Batch& batch, int64_t m, Precision
     BlockRun r = run_block(w, i, x, part.target, precision, tracker);
     if (i > 0) prof.blocks.back().output_kept = r.kept_input;
     prof.blocks.push_back(r.cost);
+    prof.forward_nograd_seconds += r.forward_nograd_seconds;
     x = r.next_input;
   }
   for (auto& c : prof.blocks) {
@@ -178,6 +193,26 @@ ChainProfile profile_chain(Workload& w, const Batch& batch, int64_t m, Precision
   return prof;
 }
 
+namespace {
+
+PrecisionProfile profile_precision(Workload& w, const Batch& batch, Precision precision, MemoryTracker& tracker) {
+  PrecisionProfile pp;
+  pp.precision = precision;
+  const auto [a, b] = profiled_sizes(batch.size());
+  StepConfig config;
+  config.precision = precision;
+  ChainRun run{w, batch, tracker, StepOptions{config}};
+  int64_t measured = 0;
+  const double plain_b = run.best_of(2, b, &measured);  // first: the first run warms up
+  pp.large = profile_chain(w, batch, b, precision, tracker);
+  pp.small = b > a ? profile_chain(w, batch, a, precision, tracker) : pp.large;
+  time_chain(run, batch.size(), plain_b, pp);
+  calibrate(pp, measured);
+  return pp;
+}
+
+}  // namespace
+
 WorkloadProfile profile_workload(Workload& w, const Batch& batch, const std::vector<Precision>& precisions,
                                  MemoryTracker& tracker) {
   TORCH_CHECK(!precisions.empty(), "memfit::profile_workload: precisions must name at least one candidate");
@@ -186,16 +221,10 @@ WorkloadProfile profile_workload(Workload& w, const Batch& batch, const std::vec
   profile.weight_bytes = parameter_bytes(*w.chain);
   profile.batch_bytes = storage_bytes(batch.input) + storage_bytes(batch.target);
   profile.segment_overhead_bytes = storage_bytes(capture_rng(batch.input.device()).cpu);
-  const auto [a, b] = profiled_sizes(profile.batch);
   auto params = w.chain->parameters();
   for (Precision precision : precisions) {
-    PrecisionProfile pp;
-    pp.precision = precision;
     try {
-      // (No warm-up pass: each block runs twice at each size and the faster run counts, so the
-      // first run takes the first-touch costs.)
-      pp.small = profile_chain(w, batch, a, precision, tracker);
-      pp.large = b > a ? profile_chain(w, batch, b, precision, tracker) : pp.small;
+      profile.precisions.push_back(profile_precision(w, batch, precision, tracker));
     } catch (const c10::OutOfMemoryError&) {
       throw;
     } catch (const c10::Error& e) {
@@ -206,12 +235,19 @@ WorkloadProfile profile_workload(Workload& w, const Batch& batch, const std::vec
       const std::string what = e.what_without_backtrace();
       profile.notes.push_back(std::string(precision_name(precision)) + " not considered: it fails on this model (" +
                               what.substr(0, what.find('\n')) + ")");
-      continue;
     }
-    time_whole_chain(w, batch, tracker, pp);
-    profile.precisions.push_back(pp);
   }
   return profile;
+}
+
+double time_plain_chain(Workload& w, const Batch& batch, Precision precision, int64_t m, MemoryTracker& tracker) {
+  const RngState rng = capture_rng(batch.input.device());  // dropout draws
+  StepConfig config;
+  config.precision = precision;
+  ChainRun run{w, batch, tracker, StepOptions{config}};
+  const double seconds = run.median_of_three(m);
+  restore_rng(rng);
+  return seconds;
 }
 
 ChainCosts block_costs_at(const PrecisionProfile& p, int64_t m) {
@@ -336,24 +372,25 @@ BlockCost block_cost_from_json(const nlohmann::json& j) {
 nlohmann::json chain_profile_json(const ChainProfile& c) {
   nlohmann::json blocks = nlohmann::json::array();
   for (const auto& b : c.blocks) blocks.push_back(block_cost_json(b));
-  return {{"micro_batch", c.micro_batch}, {"blocks", blocks}};
+  return {{"micro_batch", c.micro_batch}, {"blocks", blocks}, {"forward_nograd_seconds", c.forward_nograd_seconds}};
 }
 
 ChainProfile chain_profile_from_json(const nlohmann::json& j, size_t blocks) {
   ChainProfile c;
   c.micro_batch = jf::integer(j, "micro_batch", 1);
   for (const auto& b : jf::array(j, "blocks", static_cast<int>(blocks))) c.blocks.push_back(block_cost_from_json(b));
+  c.forward_nograd_seconds = jf::number(j, "forward_nograd_seconds");
   return c;
 }
 
 nlohmann::json precision_profile_json(const PrecisionProfile& p) {
+  nlohmann::json times = nlohmann::json::array();
+  for (const auto& t : p.chain_seconds) times.push_back({t.micro_batch, t.seconds});
   return {{"precision", precision_name(p.precision)},
           {"small", chain_profile_json(p.small)},
           {"large", chain_profile_json(p.large)},
           {"calibration", p.calibration},
-          {"chain_seconds_small", p.chain_seconds_small},
-          {"chain_seconds_large", p.chain_seconds_large},
-          {"chain_seconds_full", p.chain_seconds_full}};
+          {"chain_seconds", times}};  // [[micro-batch, seconds], ...]
 }
 
 PrecisionProfile precision_profile_from_json(const nlohmann::json& j, size_t blocks) {
@@ -362,9 +399,14 @@ PrecisionProfile precision_profile_from_json(const nlohmann::json& j, size_t blo
   p.small = chain_profile_from_json(jf::field(j, "small"), blocks);
   p.large = chain_profile_from_json(jf::field(j, "large"), blocks);
   p.calibration = jf::number(j, "calibration");
-  p.chain_seconds_small = jf::number(j, "chain_seconds_small");
-  p.chain_seconds_large = jf::number(j, "chain_seconds_large");
-  p.chain_seconds_full = jf::number(j, "chain_seconds_full");
+  int64_t previous = 0;
+  for (const auto& t : jf::array(j, "chain_seconds")) {
+    if (!t.is_array() || t.size() != 2) throw std::invalid_argument("JSON: 'chain_seconds' holds [micro-batch, seconds] pairs");
+    const nlohmann::json pair{{"micro_batch", t[0]}, {"seconds", t[1]}};
+    p.chain_seconds.push_back({jf::integer(pair, "micro_batch", previous + 1), jf::number(pair, "seconds")});
+    previous = p.chain_seconds.back().micro_batch;
+  }
+  if (p.chain_seconds.empty()) throw std::invalid_argument("JSON: 'chain_seconds' must not be empty");
   return p;
 }
 

@@ -20,7 +20,7 @@ namespace fs = std::filesystem;
 namespace memfit {
 namespace {
 
-constexpr int kFormat = 1;  // of the files; another number is ignored as stale
+constexpr int kFormat = 2;  // of the files; another number is ignored as stale (1: three chain times)
 
 // The running program's sha256, computed once per process ("" where it cannot be read).
 const std::string& program_sha256() {
@@ -148,6 +148,7 @@ MeasuredCosts cached_costs(const ProfileCacheOptions& cache, const nlohmann::jso
                            const std::function<MeasuredCosts()>& measure, CostsSource& source) {
   const auto t0 = std::chrono::steady_clock::now();
   source = CostsSource{};
+  source.key = key;
   if (!cache.dir.empty()) source.path = cache_file(cache.dir, key);
   if (!source.path.empty() && !cache.replan && fs::exists(source.path)) {
     try {
@@ -161,14 +162,17 @@ MeasuredCosts cached_costs(const ProfileCacheOptions& cache, const nlohmann::jso
   }
   MeasuredCosts costs = measure();
   source.seconds = seconds_since(t0);
-  if (!source.path.empty()) {
-    try {
-      write_cache_file(source.path, key, costs);
-    } catch (const std::exception& e) {
-      source.notes.push_back(std::string("profile cache not written: ") + e.what());
-    }
-  }
+  store_costs(source, costs);
   return costs;
+}
+
+void store_costs(CostsSource& source, const MeasuredCosts& costs) {
+  if (source.path.empty()) return;
+  try {
+    write_cache_file(source.path, source.key, costs);
+  } catch (const std::exception& e) {
+    source.notes.push_back(std::string("profile cache not written: ") + e.what());
+  }
 }
 
 MeasuredCosts measure_costs(Workload& w, const Batch& batch, const std::vector<Precision>& precisions,

@@ -43,7 +43,7 @@ import json, sys
 c, d, a = (json.load(open(p)) for p in sys.argv[1:4])
 assert c["profile_cached"] is False, c
 assert any("ignored: it is not JSON" in n for n in c["notes"]), c["notes"]
-assert d["profile_cached"] is True and d["config"] == a["config"], d
+assert d["profile_cached"] is True and d["config"] == c["config"], (d, c)  # the plan of the run that measured
 PY
 
 # 4. A stale file (its key differs: another thread count recorded) is ignored with a note.

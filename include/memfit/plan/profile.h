@@ -1,15 +1,20 @@
 // profile.h — what a workload costs, measured: the input of the planner (planner.h), kept
 // apart from it so that the search can run on costs written by hand (tests) or loaded.
 //
-// For each candidate precision, each block of the chain runs alone (its input detached) at
-// two micro-batch sizes, a quarter and a half of the batch: forward and backward seconds,
-// output bytes, bytes kept for backward, transient peaks with and without grad, whether the
-// next block keeps its input. Then the whole plain chain runs at both sizes: its bytes
-// calibrate the blocks' bytes, its seconds are the time model (the blocks' seconds only say
-// how that time divides among them). Values at other sizes are fitted linearly.
+// For each candidate precision, the whole plain chain runs first at half the batch (twice: the
+// first run warms allocator and caches), then each block alone (its input detached) at a half
+// and a quarter of the batch: forward and backward seconds, output bytes, bytes kept for
+// backward, transient peaks with and without grad, whether the next block keeps its input.
+// Bytes at other sizes are fitted linearly; the chain's bytes calibrate the blocks'.
 //
-// The optimizer is measured the same way: one real step of the spec over the parameters this
-// process steps, counted by the tracker (state bytes, and the step's temporaries).
+// Time: the plain chain's forward + backward is measured at half the batch and at the quarter.
+// Above half, a CPU's time is the line through them continued; on other devices the whole
+// batch is estimated from one run recomputing every block (little memory), less the forward
+// that recomputing adds. Below the quarter, fixed per-call costs make small micro-batches
+// slower than any line predicts, so those sizes are timed only when a plan would run them
+// (plan_timing_as_needed in planner.h, time_plain_chain here). Those points are the time
+// model; the blocks' seconds only divide a point's time among blocks.
+//
 #pragma once
 
 #include <nlohmann/json.hpp>
@@ -30,17 +35,21 @@ namespace memfit {
 struct ChainProfile {
   int64_t micro_batch = 0;
   std::vector<BlockCost> blocks;
+  double forward_nograd_seconds = 0;  // all blocks' forward without grad (what recomputing adds)
 };
 
-// What one precision costs: the blocks at two sizes, and the whole plain chain measured.
+// Seconds of the plain chain's forward + backward on one micro-batch of `micro_batch` samples.
+struct ChainSeconds {
+  int64_t micro_batch = 0;
+  double seconds = 0;
+};
+
+// What one precision costs: the blocks at two sizes, and the whole plain chain's time.
 struct PrecisionProfile {
   Precision precision = Precision::kFP32;
   ChainProfile small, large;
   double calibration = 1.0;            // measured / modelled bytes of the plain chain
-  double chain_seconds_small = 0;      // forward + backward of the plain chain, best of two
-  double chain_seconds_large = 0;
-  double chain_seconds_full = 0;       // the whole batch (estimated from a run recomputing every
-                                       // block, which needs little memory); 0: not measured
+  std::vector<ChainSeconds> chain_seconds;  // by micro-batch, ascending (the whole batch's estimated)
 };
 
 struct WorkloadProfile {
@@ -60,6 +69,12 @@ WorkloadProfile profile_workload(Workload& workload, const Batch& batch, const s
 
 ChainProfile profile_chain(Workload& workload, const Batch& batch, int64_t micro_batch, Precision precision,
                            MemoryTracker& tracker);
+
+// Seconds of the plain chain's forward + backward on the first `micro_batch` samples of
+// `batch` at `precision`: the median of three runs (a first run paying for first use and a
+// neighbour's burst both left out). The caller's random stream is left as it was.
+double time_plain_chain(Workload& workload, const Batch& batch, Precision precision, int64_t micro_batch,
+                        MemoryTracker& tracker);
 
 // The blocks' costs at micro-batch m: bytes fitted linearly between the two profiled sizes and
 // calibrated, seconds fitted (not below the smaller size's); no fixed bytes, seconds not yet

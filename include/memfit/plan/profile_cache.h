@@ -53,6 +53,7 @@ struct CostsSource {
   std::string path;       // the cache file read or written ("" without a cache)
   double seconds = 0;     // measuring, or reading
   std::vector<std::string> notes;  // a stale or corrupt file ignored, a file that could not be written
+  nlohmann::json key;              // what the file is keyed by
 };
 
 // The costs for `key`: read from the cache when it holds them and replan is off, else
@@ -60,6 +61,9 @@ struct CostsSource {
 MeasuredCosts cached_costs(const ProfileCacheOptions& cache, const nlohmann::json& key,
                            const std::function<MeasuredCosts()>& measure, CostsSource& source);
 
+// Rewrites the cache file `source` was read from or written to with `costs` (the profile grown
+// by sizes timed as the search needed them); a file that cannot be written is a note.
+void store_costs(CostsSource& source, const MeasuredCosts& costs);
 // The workload profiled at each precision and the optimizer's state precisions measured on
 // copies of `optimized` (the parameters this process steps; their own state is untouched), or
 // both read from the cache. `tracker` must be installed on this thread.
