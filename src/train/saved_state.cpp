@@ -77,7 +77,7 @@ std::string step_digits(int64_t step) {
   std::snprintf(digits, sizeof digits, "%08lld", static_cast<long long>(step));
   return digits;
 }
-std::string head_name(const std::string& digits) { return "state-" + digits + ".pt"; }
+std::string head_name(const std::string& digits) { return "state-" + digits + ".json"; }
 std::string part_name(const std::string& digits, size_t k) {
   char index[32];
   std::snprintf(index, sizeof index, "%04zu", k);
@@ -130,16 +130,34 @@ void write_part_archive(const StatePart& part, const fs::path& path) {
   archive.save_to(path.string());
 }
 
-void write_head_archive(const nlohmann::json& meta, const OptimizerSpec& spec, size_t parts, c10::Device device,
-                        const fs::path& path) {
-  torch::serialize::OutputArchive archive;
-  archive.write("meta", c10::IValue(meta.dump()));
-  archive.write("parts", c10::IValue(static_cast<int64_t>(parts)));  // what the manifest must name
-  archive.write("optimizer", c10::IValue(optimizer_spec_json(spec).dump()));
+// A generator's state (bytes) as hex, and back (one line naming what is wrong).
+std::string to_hex(const at::Tensor& bytes) {
+  static const char* digits = "0123456789abcdef";
+  const at::Tensor b = bytes.to(c10::kCPU).contiguous();
+  const auto* p = b.data_ptr<uint8_t>();
+  std::string out;
+  for (int64_t i = 0; i < b.numel(); ++i) out += {digits[p[i] >> 4], digits[p[i] & 15]};
+  return out;
+}
+at::Tensor from_hex(const std::string& text) {
+  if (text.size() % 2 != 0 || text.find_first_not_of("0123456789abcdef") != std::string::npos) {
+    throw std::invalid_argument("a generator state that is not lowercase hex of whole bytes");
+  }
+  at::Tensor b = at::empty({static_cast<int64_t>(text.size() / 2)}, at::kByte);
+  auto* p = b.data_ptr<uint8_t>();
+  for (size_t i = 0; i < text.size(); i += 2) p[i / 2] = static_cast<uint8_t>(std::stoi(text.substr(i, 2), nullptr, 16));
+  return b;
+}
+
+// The head is JSON (no tensor in it: only the parts go through LibTorch's archive reader).
+std::string head_json(const nlohmann::json& meta, const OptimizerSpec& spec, size_t parts, c10::Device device) {
   const RngState rng = capture_rng(device);
-  archive.write("rng_cpu", rng.cpu);
-  if (rng.cuda.defined()) archive.write("rng_cuda", rng.cuda);
-  archive.save_to(path.string());
+  return nlohmann::json{{"meta", meta},
+                        {"parts", parts},  // what the manifest must name
+                        {"optimizer", optimizer_spec_json(spec)},
+                        {"rng_cpu", to_hex(rng.cpu)},
+                        {"rng_cuda", rng.cuda.defined() ? nlohmann::json(to_hex(rng.cuda)) : nlohmann::json()}}
+             .dump(1) + "\n";
 }
 
 std::vector<std::string> names_of(const nlohmann::json& index, const char* key) {
@@ -189,17 +207,17 @@ StatePart parse_part(const std::string& bytes) {
   return part;
 }
 
-// The manifest's file names, checked: "state-<digits>.pt" then "state-<digits>.part-<k>.pt" for
+// The manifest's file names, checked: "state-<digits>.json" then "state-<digits>.part-<k>.pt" for
 // k = 0, 1, ... (plain file names in DIR).
 std::vector<fs::path> manifest_files(const fs::path& dir, const nlohmann::json& manifest) {
   const auto& files = json_fields::array(manifest, "files");
   if (files.empty()) throw std::invalid_argument("JSON: 'files' names no file");
   const std::string head = json_fields::text(files[0], "name");
-  const bool digits = head.size() > 9 && head.find_first_not_of("0123456789", 6) == head.size() - 3;
-  if (head.rfind("state-", 0) != 0 || head.compare(head.size() - 3, 3, ".pt") != 0 || !digits) {
+  const bool digits = head.size() > 11 && head.find_first_not_of("0123456789", 6) == head.size() - 5;
+  if (head.rfind("state-", 0) != 0 || head.compare(head.size() - 5, 5, ".json") != 0 || !digits) {
     throw std::runtime_error("names a file that is not a state file: " + nlohmann::json(head).dump());
   }
-  const std::string step = head.substr(6, head.size() - 9);
+  const std::string step = head.substr(6, head.size() - 11);
   std::vector<fs::path> paths{dir / head};
   for (size_t k = 1; k < files.size(); ++k) {
     const std::string name = json_fields::text(files[k], "name");
@@ -349,9 +367,8 @@ void StateWriter::write_part(const StatePart& part) {
 
 void StateWriter::commit(const nlohmann::json& meta, const OptimizerSpec& spec, c10::Device device) {
   const fs::path head = dir_ / head_name(step_digits(step_));
-  nlohmann::json files = nlohmann::json::array({write_atomically(head, [&](const fs::path& tmp) {
-    write_head_archive(meta, spec, files_.size(), device, tmp);
-  })});
+  const std::string head_bytes = head_json(meta, spec, files_.size(), device);
+  nlohmann::json files = nlohmann::json::array({write_atomically(head, [&](const fs::path& tmp) { write_bytes(tmp, head_bytes); })});
   for (const auto& f : files_) files.push_back(f);
   const std::string manifest = nlohmann::json{{"format", kFormat}, {"files", files}}.dump(2) + "\n";
   write_atomically(dir_ / kManifest, [&](const fs::path& tmp) { write_bytes(tmp, manifest); });  // the commit point
@@ -380,8 +397,11 @@ int remove_stale_state_files(const fs::path& dir) {
   for (const auto& entry : fs::directory_iterator(dir, ec)) {
     const std::string name = entry.path().filename().string();
     const bool temporary = name.find(".tmp") != std::string::npos && (name.rfind("state", 0) == 0);
+    const auto ends_with = [&name](const std::string& end) {
+      return name.size() > end.size() && name.compare(name.size() - end.size(), end.size(), end) == 0;
+    };
     const bool superseded = !keep.empty() && name.rfind("state-", 0) == 0 && keep.count(name) == 0 &&
-                            name.size() > 3 && name.compare(name.size() - 3, 3, ".pt") == 0;
+                            (ends_with(".pt") || ends_with(".json"));
     if ((temporary || superseded) && fs::remove(entry.path(), ec)) ++removed;
   }
   return removed;
@@ -411,20 +431,17 @@ SavedState SavedState::open(const fs::path& dir) {
   const std::string bytes = read_file(s.head_);
   if (sha256_hex(bytes) != s.head_file_.sha256) throw std::runtime_error("cannot resume: " + s.head_.string() + " changed while it was read");
   try {
-    torch::serialize::InputArchive archive;
-    archive.load_from(bytes.data(), bytes.size());
-    c10::IValue meta;
-    if (!archive.try_read("meta", meta) || !meta.isString()) throw std::runtime_error("no meta record");
-    s.meta_ = nlohmann::json::parse(meta.toStringRef());
+    const nlohmann::json head = nlohmann::json::parse(bytes);
+    s.meta_ = json_fields::field(head, "meta");
     json_fields::integer(s.meta_, "step");
-    c10::IValue parts;
-    if (!archive.try_read("parts", parts) || !parts.isInt()) throw std::runtime_error("no parts record");
-    if (parts.toInt() != s.parts()) {
-      throw std::runtime_error("cannot resume: " + s.head_.string() + " was saved with " + std::to_string(parts.toInt()) +
+    const int64_t parts = json_fields::integer(head, "parts");
+    if (parts != s.parts()) {
+      throw std::runtime_error("cannot resume: " + s.head_.string() + " was saved with " + std::to_string(parts) +
                                " parts, state.json names " + std::to_string(s.parts()));
     }
-    archive.read("rng_cpu", s.rng_cpu_);
-    if (!archive.try_read("rng_cuda", s.rng_cuda_)) s.rng_cuda_ = at::Tensor();
+    s.rng_cpu_ = from_hex(json_fields::text(head, "rng_cpu"));
+    const auto& cuda = json_fields::field(head, "rng_cuda");
+    s.rng_cuda_ = cuda.is_null() ? at::Tensor() : from_hex(json_fields::text(head, "rng_cuda"));
   } catch (const std::runtime_error& e) {
     if (std::string(e.what()).rfind("cannot resume:", 0) == 0) throw;
     throw std::runtime_error("cannot resume: " + s.head_.string() + " matches its checksum but cannot be read by this memfit");

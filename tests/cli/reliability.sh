@@ -59,7 +59,7 @@ for k in $(seq 10); do
     || { bad "resume after kill $k: $(tail -2 k.out)"; continue; }
   [ "$(summary k.jsonl weights_sha256)" = "$(summary ref.jsonl weights_sha256)" ] && exact=$((exact+1)) \
     || bad "resume after kill $k is not exact"
-  [ -z "$(ls kill | grep -v '^state-00000040\(\.part-[0-9]*\)\?\.pt$' | grep -v '^state.json$')" ] || bad "leftovers after kill $k: $(ls kill)"
+  [ -z "$(ls kill | grep -v '^state-00000040\(\.json\|\.part-[0-9]*\.pt\)$' | grep -v '^state.json$')" ] || bad "leftovers after kill $k: $(ls kill)"
 done
 [ $exact -ge 5 ] && ok || bad "only $exact of 10 kills resumed exactly"
 echo "  kill -9 during saving: $exact resumes, all exact"

@@ -79,7 +79,7 @@ echo "garbage" > "$dir/state/state.json.tmp12345"
 echo "garbage" > "$dir/state/state-00000099.pt.tmp12345"
 echo "garbage" > "$dir/state/state-00000099.pt"
 "$memfit" train "${small[@]}" "${pinned[@]}" --steps 5 --budget 64MiB --resume "$dir/state" > /dev/null 2>&1 && ok || bad "resume beside stray temporaries failed"
-left=$(ls "$dir/state" | grep -v '^state-00000004\(\.part-[0-9]*\)\?\.pt$' | grep -v '^state.json$')
+left=$(ls "$dir/state" | grep -v '^state-00000004\(\.json\|\.part-[0-9]*\.pt\)$' | grep -v '^state.json$')
 [ -z "$left" ] && [ -f "$dir/state/state-00000004.part-0000.pt" ] && ok || bad "leftovers not removed: $(ls "$dir/state")"
 
 # 6. One clear line and a non-zero exit for bad state and bad budgets.
@@ -90,7 +90,7 @@ one_line_error() {  # args: expected-text, command...
   if [ $rc -ne 0 ] && [ "$n" -eq 1 ] && [[ "$err" == *"$expect"* ]]; then ok; else bad "$* -> rc=$rc lines=$n: $err"; fi
 }
 cp -r "$dir/state" "$dir/corrupt"
-head -c 3000 "$dir/state/state-00000004.pt" > "$dir/corrupt/state-00000004.pt"
+head -c 3000 "$dir/state/state-00000004.part-0001.pt" > "$dir/corrupt/state-00000004.part-0001.pt"
 one_line_error "corrupt or truncated" "$memfit" train "${small[@]}" "${pinned[@]}" --steps 8 --budget 64MiB --resume "$dir/corrupt"
 one_line_error "not 'gpt: 3 layers" "$memfit" train --layers 3 --d-model 64 --heads 4 --seq 32 --batch 8 --no-progress "${pinned[@]}" --steps 8 --budget 64MiB --resume "$dir/state"
 one_line_error "smallest budget that works is" "$memfit" train "${small[@]}" --steps 2 --budget 1MiB

@@ -2,9 +2,10 @@
 //
 // A saved step is several files in DIR, named by the manifest DIR/state.json (format 3) with
 // each one's size and sha256:
-//   state-<step>.pt             the head: a meta record (step, batch, seed, model, the plan as
-//                               plan_json), the optimizer spec, the random generators (CPU, and
-//                               CUDA on a CUDA device)
+//   state-<step>.json           the head (JSON: no LibTorch parser reads it): a meta record
+//                               (step, batch, seed, model, the plan as plan_json), the optimizer
+//                               spec, the part count, the random generators (CPU, and CUDA on a
+//                               CUDA device) as hex
 //   state-<step>.part-<k>.pt    part k of the model: one block of a Chain (one direct submodule
 //                               of any module), its parameters and buffers by name, and each
 //                               parameter's optimizer state (any family, runtime/optimizer.h)
