@@ -107,12 +107,12 @@ TEST(PlanSearchTest, ChosenPlanIsTheFastestThatFitsAmongAllSchedulesAndSizes) {
   }
 }
 
-// Below the profiled sizes the time model guesses (proportionally: optimistic); a plan that
+// Below the profiled sizes the time model guesses (the line continued: optimistic); a plan that
 // would run such a size times it first and plans again with the measured point, which can
 // change the choice.
 TEST(PlanSearchTest, MicroBatchesBelowTheProfiledSizesAreTimedWhenAPlanWouldRunThem) {
   WorkloadProfile w = hand_workload();
-  w.precisions.front().chain_seconds = {{2, 0.03}, {4, 0.05}, {8, 0.09}};  // 1 not timed
+  w.precisions.front().chain_seconds = {{2, 0.02}, {4, 0.04}, {8, 0.08}};  // 1 not timed; guessed 0.01
   Planner planner(w, hand_request());
   const Plan plain = planner.plan(int64_t{1} << 40);
   std::vector<int64_t> timed;

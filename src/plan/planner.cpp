@@ -61,21 +61,23 @@ ChainCosts Planner::costs_at(int64_t m, Precision precision) const {
 
 double Planner::chain_seconds(int64_t m, const PrecisionProfile& p) const {
   // The plain chain's seconds at m: a measured point, or the line between the two around m;
-  // above the largest, that line's last piece continued (never falling with m); below the
-  // smallest (a size the profile did not try, e.g. a pinned one), proportional to m: a fixed
-  // cost per micro-batch is real, but not known there.
+  // beyond either end, the line through the two nearest points continued (never falling with
+  // m; below the smallest point never under proportional: a fixed cost per micro-batch is real,
+  // a negative one is not). Below the smallest point that line is still a guess (small
+  // micro-batches are slower than any line says): plan_timing_as_needed times such a size when
+  // a plan would run it.
   const auto& t = p.chain_seconds;
   TORCH_CHECK(!t.empty(), "memfit::Planner: a precision profile without chain times");
-  if (t.size() == 1 || m <= t.front().micro_batch) {
-    return t.front().seconds * static_cast<double>(m) / static_cast<double>(t.front().micro_batch);
-  }
-  size_t hi = 1;  // the first point at or above m, or the last
+  const double proportional = t.front().seconds * static_cast<double>(m) / static_cast<double>(t.front().micro_batch);
+  if (t.size() == 1) return proportional;
+  size_t hi = 1;  // the first point at or above m (at least the second), or the last
   while (hi < t.size() - 1 && t[hi].micro_batch < m) ++hi;
   const ChainSeconds& lo_point = t[hi - 1];
   const ChainSeconds& hi_point = t[hi];
   const double slope = std::max(0.0, (hi_point.seconds - lo_point.seconds) /
                                          static_cast<double>(hi_point.micro_batch - lo_point.micro_batch));
-  return lo_point.seconds + slope * static_cast<double>(m - lo_point.micro_batch);
+  const double line = lo_point.seconds + slope * static_cast<double>(m - lo_point.micro_batch);
+  return m < t.front().micro_batch ? std::max(line, proportional) : line;
 }
 
 std::vector<int64_t> Planner::untimed_sizes(const Plan& plan) const {

@@ -104,8 +104,8 @@ class Planner {
   Schedule uniform(int64_t m, int segments) const;
   const WorkloadProfile& profile() const { return profile_; }
   // The micro-batch sizes `plan` runs (its own, and a smaller last one) that its precision's
-  // chain was not timed at and lie below every timed size: there the time model guessed
-  // (proportionally to the smallest timed size: optimistic, so that the search tries them).
+  // chain was not timed at and lie below every timed size: there the time model guessed (the
+  // line through the two smallest timed sizes: optimistic, as small sizes pay per-call costs).
   std::vector<int64_t> untimed_sizes(const Plan& plan) const;
   // Adds a timed point to a precision's time model (time_plain_chain in profile.h).
   void add_chain_seconds(Precision precision, int64_t micro_batch, double seconds);
