@@ -38,7 +38,10 @@ void check_budgets(ModelOptions model, int64_t batch) {
     EXPECT_LE(v.measured_peak, budget) << percent << "%";
     const double error = std::abs(static_cast<double>(plan.predicted_peak - v.measured_peak)) /
                          static_cast<double>(v.measured_peak);
-    EXPECT_LE(error, 0.05) << percent << "%: predicted " << plan.predicted_peak << " measured " << v.measured_peak;
+    std::string notes;
+    for (const auto& n : v.notes) notes += "; " + n;
+    EXPECT_LE(error, 0.05) << percent << "%: " << plan.config.describe() << ": predicted " << plan.predicted_peak
+                           << " measured " << v.measured_peak << notes;
     ::testing::Test::RecordProperty("error_" + std::to_string(percent), std::to_string(error));
     ++verified;
   }
