@@ -91,7 +91,7 @@ if [[ -n $script ]]; then
 elif [[ $model == gpt ]]; then n=$((2 * $(flag_value --layers 8) + 1)); else n=$(($(flag_value --blocks 6) + 1)); fi
 [[ -n $segments ]] || segments=$(printf '%s\n' 2 4 8 "$n" | awk -v n="$n" '$1 >= 2 && $1 <= n' | sort -nu | paste -sd' ')
 batch=$(flag_value --batch 16)
-[[ -n $accums ]] || accums=$(for k in 1 2 4 8 16; do ((batch % k == 0)) && echo $k; done | paste -sd' ')
+[[ -n $accums ]] || accums=$(for k in 1 2 4 8 16; do if ((batch % k == 0)); then echo $k; fi; done | paste -sd' ')
 # What names the model on each side: built-in flags, or the user's files.
 if [[ -n $script ]]; then
   twin_model=(--model script --script "$script" --data "$data" --loss "$loss")
