@@ -177,11 +177,7 @@ int run_plan_command(WorkloadFlags& wf, const StepFlags& sf, const PlanFlags& f)
     return time_plain_chain(w, batch, precision, m, *tracker);
   }, &timed);
   const double solve_s = seconds_since(t1);
-  if (timed > 0) {  // the cache keeps the sizes timed for the search
-    MeasuredCosts grown{planner.profile(), {planner.request().optimizer}};
-    for (const auto& c : planner.request().optimizer_alternatives) grown.optimizer.push_back(c);
-    store_costs(source, grown);
-  }
+  if (timed > 0) store_costs(source, planner.measured_costs());  // the cache keeps the sizes timed
   Verification v;
   const bool verified = f.verify && plan.feasible;
   if (verified) v = verify_plan(w, planner, plan, *tracker, /*measure_plain=*/true);

@@ -80,6 +80,12 @@ double Planner::chain_seconds(int64_t m, const PrecisionProfile& p) const {
   return m < t.front().micro_batch ? std::max(line, proportional) : line;
 }
 
+MeasuredCosts Planner::measured_costs() const {
+  MeasuredCosts costs{profile_, {request_.optimizer}};
+  costs.optimizer.insert(costs.optimizer.end(), request_.optimizer_alternatives.begin(), request_.optimizer_alternatives.end());
+  return costs;
+}
+
 std::vector<int64_t> Planner::untimed_sizes(const Plan& plan) const {
   std::vector<int64_t> sizes;
   if (!plan.feasible) return sizes;

@@ -231,7 +231,6 @@ void Trainer::make_planner() {
   request.checkpoint = t.o.checkpoint;
   request.margin = kMargin;
   request.resident_bytes = t.resident_bytes;
-  t.measured_optimizer = costs.optimizer;
   request.optimizer = costs.optimizer.front();
   request.optimizer_alternatives.assign(costs.optimizer.begin() + 1, costs.optimizer.end());
   const bool saves = !t.o.save_dir.empty() || !t.o.resume_dir.empty();
@@ -291,7 +290,9 @@ void Trainer::choose_plan() {
     t.plan = plan_from_json(t.resumed_meta.at("plan"), t.w.chain->size());
     t.plan.notes = {"resumed with the saved plan"};
   } else {
-    t.plan = plan_timing_as_needed(*t.planner, t.budget, chain_timer());
+    int timed = 0;
+    t.plan = plan_timing_as_needed(*t.planner, t.budget, chain_timer(), &timed);
+    if (timed > 0) store_costs(t.costs_source, t.planner->measured_costs());  // the cache keeps the sizes timed
     const bool pinned = t.o.micro_batch > 0 && t.o.checkpoint && t.planner->profile().precisions.size() == 1;
     if (!t.plan.feasible && pinned) {
       // The user fixed the configuration: run it, and let out-of-memory recovery split.
@@ -316,18 +317,8 @@ ChainTimer Trainer::chain_timer() {
   return [this](Precision precision, int64_t m) {
     TrainerState& t = *impl_;
     const Batch first = t.w.data->train_batch(t.start_step, t.o.batch, t.w.seed).slice(t.local.start, t.local.length).to(t.o.device);
-    const double seconds = time_plain_chain(t.w, first, precision, m, *t.tracker);
-    t.timed_sizes = true;
-    return seconds;
+    return time_plain_chain(t.w, first, precision, m, *t.tracker);
   };
-}
-
-void Trainer::store_timed_sizes() {
-  // The profile grew: the cache keeps the new points for the next run.
-  TrainerState& t = *impl_;
-  if (!t.timed_sizes) return;
-  MeasuredCosts costs{t.planner->profile(), t.measured_optimizer};
-  store_costs(t.costs_source, costs);
 }
 
 void Trainer::adopt_rank0_plan() {
@@ -352,7 +343,6 @@ const Plan& Trainer::plan() {
   make_planner();
   choose_budget();
   choose_plan();
-  store_timed_sizes();
   t.summary.planning_seconds = std::chrono::duration<double>(TrainClock::now() - planning_start).count();
   t.summary.profile_cached = t.costs_source.cached;
   if (t.context && t.resumed_meta.is_null()) adopt_rank0_plan();

@@ -66,8 +66,6 @@ struct TrainerState {
   std::ostream& out;
   bool primary = true;              // rank 0: writes the log, the report, saved state
   bool model_file_note = false;     // ZeRO 3's "no model.pt" said once
-  std::vector<OptimizerCost> measured_optimizer;  // as measured or read (the profile cache's)
-  bool timed_sizes = false;         // the plan timed micro-batches the profile lacked
   bool tty = false;
   BatchSlice local;                 // this rank's samples of each batch
   std::vector<at::Tensor> params;

@@ -103,6 +103,9 @@ class Planner {
   // but the last recomputed (baseline precision).
   Schedule uniform(int64_t m, int segments) const;
   const WorkloadProfile& profile() const { return profile_; }
+  // What it plans from, in the profile cache's form: the profile (grown by sizes timed for the
+  // search) and the optimizer costs.
+  MeasuredCosts measured_costs() const;
   // The micro-batch sizes `plan` runs (its own, and a smaller last one) that its precision's
   // chain was not timed at and lie below every timed size: there the time model guessed (the
   // line through the two smallest timed sizes: optimistic, as small sizes pay per-call costs).

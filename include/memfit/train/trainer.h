@@ -138,7 +138,6 @@ class Trainer {
   void choose_budget();
   void choose_plan();
   ChainTimer chain_timer();      // times micro-batches the search picks below the profiled sizes
-  void store_timed_sizes();      // ...and keeps them in the profile cache
   void adopt_rank0_plan();
   StepResult accumulate(int64_t step, const Batch& batch);
   void update(bool last_step);
