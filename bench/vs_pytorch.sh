@@ -24,6 +24,10 @@
 #   --accum     the grid's gradient accumulation steps (default: 1 2 4 8 16, those dividing --batch)
 #   --base-only only the base comparison: PyTorch eager and memfit's plain step alternating
 #               (--base-rounds N times, default 3), then their time ratio and peaks; no grid, no plans
+#   --duel R    after the grid pass, head to head instead of the one-pass table: for each
+#               budget and mode, memfit's `memfit train` against the fastest fitting grid
+#               points, alternating, R rounds (bench/vs_pytorch_duel.py; writes
+#               vs_pytorch_duel_<model>.md)
 #   --precisions  the grid's precisions (default: fp32 bf16; a variant the model cannot run is a
 #               row with its error)
 #   MODEL FLAGS passed to both sides: --layers --d-model --heads --seq --dropout (gpt),
@@ -40,7 +44,7 @@ root=$(dirname "$here")
 command="bash bench/vs_pytorch.sh"
 (($#)) && command+=$(printf ' %q' "$@")
 model=gpt threads=2 steps=5 out=$here build=$root/build segments="" data="" loss=cross-entropy eager=""
-accums="" precisions="fp32 bf16" base_only=0 rounds=3
+accums="" precisions="fp32 bf16" base_only=0 rounds=3 duel=0
 while (($#)); do
   case $1 in
     --model) model=$2; shift 2 ;;
@@ -52,6 +56,7 @@ while (($#)); do
     --accum) accums=$2; shift 2 ;;
     --precisions) precisions=$2; shift 2 ;;
     --base-only) base_only=1; shift ;;
+    --duel) duel=$2; shift 2 ;;
     --base-rounds) rounds=$2; shift 2 ;;
     --data) data=$2; shift 2 ;;
     --loss) loss=$2; shift 2 ;;
@@ -163,6 +168,17 @@ for precision in $precisions; do
     done
   done
 done
+
+if ((duel)); then
+  # Head to head instead of one pass: see vs_pytorch_duel.py.
+  printf '%s\n' "${twin_model[@]}" "${model_flags[@]}" > "$out/duel_twin_args.txt"
+  printf '%s\n' "${memfit_model[@]}" "${model_flags[@]}" > "$out/duel_memfit_args.txt"
+  "$py" "$here/vs_pytorch_duel.py" --jsonl "$jsonl" --twin-args "$out/duel_twin_args.txt" \
+    --memfit-args "$out/duel_memfit_args.txt" --memfit "$build/memfit" --threads "$threads" \
+    --rounds "$duel" --command "$command" --md "$out/vs_pytorch_duel_$name.md"
+  rm -f "$out/duel_twin_args.txt" "$out/duel_memfit_args.txt"
+  exit 0
+fi
 
 eager_peak=$("$py" -c 'import json, sys; print(json.loads(sys.stdin.readline())["peak_bytes"])' < "$jsonl")
 budgets=$(for p in 100 90 70 50 35; do echo $((eager_peak * p / 100)); done | paste -sd,)

@@ -150,6 +150,29 @@ TEST(PlanSearchTest, MicroBatchesBelowTheProfiledSizesAreTimedWhenAPlanWouldRunT
   EXPECT_GT(moved, 0) << "no budget where the guess chose 1 and 2 fits: the case above is not exercised";
 }
 
+// Above the profiled sizes the line continued is a guess too (caches can make a whole batch
+// slower per sample than half of it): the whole batch is timed before a plan runs it.
+TEST(PlanSearchTest, TheWholeBatchIsTimedBeforeAPlanRunsIt) {
+  WorkloadProfile w = hand_workload();
+  w.precisions.front().chain_seconds = {{2, 0.025}, {4, 0.045}};  // 8 guessed 0.085: below 2 x 0.045
+  Planner planner(w, hand_request());
+  ASSERT_EQ(planner.plan(int64_t{1} << 40).config.micro_batch_size(), 8);
+  std::vector<int64_t> timed;
+  const auto timer = [&](Precision, int64_t m) {
+    timed.push_back(m);
+    return 0.2;  // measured: the whole batch is slower than two halves
+  };
+  int count = 0;
+  const Plan plan = plan_timing_as_needed(planner, int64_t{1} << 40, timer, &count);
+  EXPECT_EQ(timed, std::vector<int64_t>{8});
+  EXPECT_EQ(count, 1);
+  EXPECT_EQ(plan.config.micro_batch_size(), 4);
+  EXPECT_TRUE(planner.untimed_sizes(plan).empty());
+  EXPECT_NEAR(planner.evaluate(8, Precision::kFP32, CheckpointPlan::none(), int64_t{1} << 40).predicted_seconds -
+                  plan.predicted_seconds,
+              0.2 - 2 * 0.045, 1e-9);  // the measured point, not the guess
+}
+
 TEST(PlanSearchTest, FloorIsTheSmallestBudgetThatPlans) {
   const Planner planner(hand_workload(), hand_request());
   const int64_t floor = planner.floor_bytes();

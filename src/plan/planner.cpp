@@ -63,9 +63,8 @@ double Planner::chain_seconds(int64_t m, const PrecisionProfile& p) const {
   // The plain chain's seconds at m: a measured point, or the line between the two around m;
   // beyond either end, the line through the two nearest points continued (never falling with
   // m; below the smallest point never under proportional: a fixed cost per micro-batch is real,
-  // a negative one is not). Below the smallest point that line is still a guess (small
-  // micro-batches are slower than any line says): plan_timing_as_needed times such a size when
-  // a plan would run it.
+  // a negative one is not). Off the measured points the line is a guess: plan_timing_as_needed
+  // times such a size when a plan would run it.
   const auto& t = p.chain_seconds;
   TORCH_CHECK(!t.empty(), "memfit::Planner: a precision profile without chain times");
   const double proportional = t.front().seconds * static_cast<double>(m) / static_cast<double>(t.front().micro_batch);
@@ -91,8 +90,11 @@ std::vector<int64_t> Planner::untimed_sizes(const Plan& plan) const {
   if (!plan.feasible) return sizes;
   const auto& t = precision_profile(plan.config.precision).chain_seconds;
   const int64_t m = plan.config.micro_batch_size(), rest = profile_.batch % m;
+  const auto timed = [&t](int64_t size) {
+    return std::any_of(t.begin(), t.end(), [size](const ChainSeconds& c) { return c.micro_batch == size; });
+  };
   for (int64_t size : {m, rest}) {
-    if (size > 0 && !t.empty() && size < t.front().micro_batch) sizes.push_back(size);
+    if (size > 0 && !t.empty() && !timed(size)) sizes.push_back(size);
   }
   return sizes;
 }
@@ -113,7 +115,7 @@ void Planner::add_chain_seconds(Precision precision, int64_t m, double seconds) 
 Plan plan_timing_as_needed(Planner& planner, int64_t budget_bytes, const ChainTimer& time_chain, int* timed) {
   int count = 0;
   Plan plan = planner.plan(budget_bytes);
-  // Each round adds a point below the smallest: at most log2(batch) rounds.
+  // Each round adds a point the plan runs: the sizes a plan can run are finite.
   for (std::vector<int64_t> sizes = planner.untimed_sizes(plan); !sizes.empty() && time_chain;
        sizes = planner.untimed_sizes(plan)) {
     for (int64_t m : sizes) planner.add_chain_seconds(plan.config.precision, m, time_chain(plan.config.precision, m));

@@ -310,7 +310,7 @@ void Trainer::choose_plan() {
 }
 
 ChainTimer Trainer::chain_timer() {
-  // Micro-batches below the profiled sizes are timed when the search picks one; not at ZeRO 3,
+  // Micro-batches not profiled are timed when the search picks one; not at ZeRO 3,
   // where timing gathers the whole model (a collective the other ranks would not join).
   TrainerState& t = *impl_;
   if (t.sharded_weights()) return {};

@@ -78,8 +78,8 @@ Plan plan_from_json(const nlohmann::json& json, int blocks);
 class Planner;
 // Seconds of the plain chain at a precision and micro-batch size (profile.h's time_plain_chain).
 using ChainTimer = std::function<double(Precision precision, int64_t micro_batch)>;
-// Plans for `budget_bytes` (0: the request's); while the plan runs micro-batches below every
-// size its precision's chain was timed at, times them with `time_chain`, adds them to the
+// Plans for `budget_bytes` (0: the request's); while the plan runs micro-batches that its
+// precision's chain was not timed at, times them with `time_chain`, adds them to the
 // planner's profile and plans again (each size timed once). Returns the plan; *timed counts
 // the sizes timed (the caller may store the grown profile).
 Plan plan_timing_as_needed(Planner& planner, int64_t budget_bytes, const ChainTimer& time_chain, int* timed = nullptr);
@@ -107,8 +107,8 @@ class Planner {
   // search) and the optimizer costs.
   MeasuredCosts measured_costs() const;
   // The micro-batch sizes `plan` runs (its own, and a smaller last one) that its precision's
-  // chain was not timed at and lie below every timed size: there the time model guessed (the
-  // line through the two smallest timed sizes: optimistic, as small sizes pay per-call costs).
+  // chain was not timed at: there the time model guessed (a line through timed sizes, which
+  // misses per-call costs below them and cache effects above them).
   std::vector<int64_t> untimed_sizes(const Plan& plan) const;
   // Adds a timed point to a precision's time model (time_plain_chain in profile.h).
   void add_chain_seconds(Precision precision, int64_t micro_batch, double seconds);

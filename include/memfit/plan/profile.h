@@ -8,12 +8,15 @@
 // Bytes at other sizes are fitted linearly; the chain's bytes calibrate the blocks'.
 //
 // Time: the plain chain's forward + backward is measured at half the batch and at the quarter.
-// Above half, a CPU's time is the line through them continued; on other devices the whole
-// batch is estimated from one run recomputing every block (little memory), less the forward
-// that recomputing adds. Below the quarter, fixed per-call costs make small micro-batches
-// slower than any line predicts, so those sizes are timed only when a plan would run them
-// (plan_timing_as_needed in planner.h, time_plain_chain here). Those points are the time
-// model; the blocks' seconds only divide a point's time among blocks.
+// Above half, a CPU's time is first guessed by the line through them continued; on other
+// devices the whole batch is estimated from one run recomputing every block (little memory),
+// less the forward that recomputing adds. Elsewhere the line is only a first guess: below the
+// quarter fixed per-call costs make small micro-batches slower than any line says, and above
+// it caches make larger ones slower per sample on some machines (GPT 6x192 on a 2-core Xeon:
+// 24 samples 13% slower per sample than 12). So every size a plan would run that was not
+// measured is timed before the plan is taken (plan_timing_as_needed in planner.h,
+// time_plain_chain here). Those points are the time model; the blocks' seconds only divide a
+// point's time among blocks.
 //
 #pragma once
 
@@ -72,7 +75,9 @@ ChainProfile profile_chain(Workload& workload, const Batch& batch, int64_t micro
 
 // Seconds of the plain chain's forward + backward on the first `micro_batch` samples of
 // `batch` at `precision`: the median of three runs (a first run paying for first use and a
-// neighbour's burst both left out). The caller's random stream is left as it was.
+// neighbour's burst both left out). Where the plain chain runs out of memory (a device's real
+// memory), the chain with every block recomputed is timed instead: an upper bound. The
+// caller's random stream is left as it was.
 double time_plain_chain(Workload& workload, const Batch& batch, Precision precision, int64_t micro_batch,
                         MemoryTracker& tracker);
 

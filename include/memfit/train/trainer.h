@@ -137,7 +137,7 @@ class Trainer {
   void make_planner();
   void choose_budget();
   void choose_plan();
-  ChainTimer chain_timer();      // times micro-batches the search picks below the profiled sizes
+  ChainTimer chain_timer();      // times micro-batches the search picks that were not profiled
   void adopt_rank0_plan();
   StepResult accumulate(int64_t step, const Batch& batch);
   void update(bool last_step);
