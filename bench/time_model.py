@@ -1,19 +1,18 @@
 #!/usr/bin/env python3
 """The planner's step-time model against measured steps (issue 16): for each shape, precision
-and budget, `memfit plan --json` predicts one whole step (forward + backward of every
-micro-batch, then the optimizer); `memfit train`, pinned to that plan (micro-batch, blocks
-recomputed, precision), runs --steps steps and the median of all but the first two is that
-run's step. The error is |predicted - measured| / measured. Goal: within 10% for fp32 and bf16 plans.
+and budget, `memfit train --replan` profiles the model, plans, prints the plan's predicted step
+(forward + backward of every micro-batch, then the optimizer) and runs --steps steps; the
+median of all but the first two is the measured step. The error is |predicted - measured| /
+measured. Goal: within 10% for fp32 and bf16 plans.
 
-This machine's speed drifts by tens of percent over minutes and in bursts of seconds, so the
-whole thing runs --rounds times: each round profiles every shape afresh (--replan) and
-measures its plans right after; a row's error is the median of its rounds' errors.
+This machine's speed drifts by tens of percent over minutes and in bursts of seconds: profile
+and steps run in one process, seconds apart, and the whole thing runs --rounds times,
+alternating; a row's error is the median of its rounds' errors.
 
     source bench/quiet_env.sh && python3 bench/time_model.py [--memfit build/memfit] [--threads N] [--rounds R]
 
-Budgets are shares of each shape's plain step as predicted (100%: nothing recomputed; lower
-ones make the plan micro-batch and recompute). Within a round every budget is planned from
-that round's profile (the profile cache, in a temporary directory).
+Budgets are shares of each shape's plain step as predicted by a first `memfit plan` (100%: no
+budget; lower ones make the plan micro-batch and recompute).
 """
 import argparse
 import json
@@ -42,39 +41,37 @@ def plan(memfit, shape, precision, budget, cache, threads, verify=True):
     return json.loads(out.stdout)
 
 
-def measure(memfit, shape, config, cache, threads, steps):
-    """The median seconds of steps 3.. of `memfit train` pinned to the plan's configuration."""
-    recomputed = ",".join(str(b) for b in config["recomputed_blocks"]) or "none"
+def train(a, shape, precision, budget, cache):
+    """`memfit train --replan` at a budget: the plan it chose, the step time that plan predicted
+    from the profile just taken, and the median of its steps 3 and later."""
     with tempfile.NamedTemporaryFile(suffix=".jsonl") as log:
-        cmd = [memfit, "train", *shape, "--precision", config["precision"], "--micro-batch", str(config["micro_batch"]),
-               "--checkpoint", recomputed, "--budget", str(1 << 40), "--steps", str(steps), "--threads", str(threads),
-               "--profile-cache", cache, "--eval-every", "0", "--report", "", "--no-progress", "--json-log", log.name]
+        cmd = [a.memfit, "train", *shape, "--precision", precision, "--budget", str(budget), "--replan",
+               "--steps", str(a.steps), "--threads", str(a.threads), "--profile-cache", cache,
+               "--eval-every", "0", "--report", "", "--no-progress", "--json-log", log.name]
         out = subprocess.run(cmd, capture_output=True, text=True)
         if out.returncode != 0:
             sys.exit(f"time_model: {' '.join(cmd)} failed: {out.stderr.strip()}")
-        seconds = [json.loads(l)["seconds"] for l in open(log.name) if '"type":"step"' in l.replace(" ", "")]
-    return statistics.median(seconds[2:])
+        lines = [json.loads(l) for l in open(log.name) if l.strip()]
+    plan_line = next(l for l in lines if l.get("type") == "plan")
+    seconds = [l["seconds"] for l in lines if l.get("type") == "step"]
+    c = plan_line["config"]
+    what = f"{c['micro_batch']} x {c['accumulation']}, {len(c['recomputed_blocks'])} recomputed"
+    return what, plan_line["predicted"]["seconds"], statistics.median(seconds[2:])
 
 
-def run_round(a, cache, rows):
-    """One round: each shape and precision profiled afresh (--replan), its budgets planned from
-    that profile and each plan measured at once, so that prediction and measurement see the
+def run_round(a, cache, rows, plain_peaks):
+    """One round: every row once. Each row is one `memfit train --replan`: the profile, the plan
+    and the steps in one process, seconds apart, so that prediction and measurement see the
     machine at the same speed (it drifts by tens of percent over minutes here)."""
     for name in a.shapes.split(","):
         for precision in a.precisions.split(","):
-            first = plan(a.memfit, SHAPES[name] + ["--replan"], precision, 1 << 40, cache, a.threads, verify=False)
-            plain = first["plain"]["predicted_peak_bytes"]
+            key = (name, precision)
+            if key not in plain_peaks:
+                first = plan(a.memfit, SHAPES[name], precision, 1 << 40, cache, a.threads, verify=False)
+                plain_peaks[key] = first["plain"]["predicted_peak_bytes"]
             for share in (int(s) for s in a.shares.split(",")):
-                budget = plain * share // 100 if share < 100 else 1 << 40
-                p = plan(a.memfit, SHAPES[name], precision, budget, cache, a.threads, verify=False)
-                row = rows.setdefault((name, precision, share), [])
-                if not p["feasible"]:
-                    row.append(None)
-                    continue
-                c = p["config"]
-                what = f"{c['micro_batch']} x {c['accumulation']}, {len(c['recomputed_blocks'])} recomputed"
-                measured = measure(a.memfit, SHAPES[name], c, cache, a.threads, a.steps)
-                row.append((what, p["predicted"]["seconds"], measured))
+                budget = plain_peaks[key] * share // 100 if share < 100 else 1 << 40
+                rows.setdefault((name, precision, share), []).append(train(a, SHAPES[name], precision, budget, cache))
 
 
 def main():
@@ -89,19 +86,15 @@ def main():
     a = ap.parse_args()
     print("command: python3 bench/time_model.py " + " ".join(sys.argv[1:]))
     print(f"{os.cpu_count()} cores, {a.threads} threads, {a.rounds} rounds\n")
-    rows = {}
+    rows, plain_peaks = {}, {}
     with tempfile.TemporaryDirectory() as cache:
         for _ in range(a.rounds):
-            run_round(a, cache, rows)
+            run_round(a, cache, rows, plain_peaks)
     print("| shape | precision | budget (share of plain) | plan (each round) | predicted s | measured s | error (each round) |")
     print("|---|---|---|---|---:|---:|---:|")
     worst = {}
     for (name, precision, share), runs in rows.items():
         head = f"| {name} | {precision} | {share}% |"
-        runs = [r for r in runs if r is not None]
-        if not runs:
-            print(f"{head} does not fit | | | |")
-            continue
         plans = ", ".join(dict.fromkeys(r[0] for r in runs))
         errors = [abs(p - m) / m for _, p, m in runs]
         error = statistics.median(errors)
