@@ -1,8 +1,9 @@
 // profile.h — what a workload costs, measured: the input of the planner (planner.h), kept
 // apart from it so that the search can run on costs written by hand (tests) or loaded.
 //
-// For each candidate precision, the whole plain chain runs first at half the batch (twice: the
-// first run warms allocator and caches), then each block alone (its input detached) at a half
+// For each candidate precision, the whole plain chain runs first at half the batch (three
+// times: the first run warms allocator and caches; the others add into its gradients, as a
+// step's later micro-batches do), then each block alone (its input detached) at a half
 // and a quarter of the batch: forward and backward seconds, output bytes, bytes kept for
 // backward, transient peaks with and without grad, whether the next block keeps its input.
 // Bytes at other sizes are fitted linearly; the chain's bytes calibrate the blocks'.
