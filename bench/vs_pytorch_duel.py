@@ -11,11 +11,14 @@ and each mode (fp32 only; mixed precision allowed):
     the grid pass is within --near (10%) of the fastest fitting point's, at most 3;
   - memfit's side is `memfit train --budget B --precision fp32|auto`: planned by memfit itself
     (no trial runs; the profile cache makes later rounds plan from the first round's profile);
-  - every distinct run (a candidate, a memfit budget and mode) runs once per round, R rounds,
-    alternating; each run's time is the median of its timed steps (PyTorch: after its warm-up
-    steps; memfit: steps 3 and later); a row's time is the median over rounds;
-  - the ratio is memfit's time over the fastest candidate's. Goals: <= 1.02x, and <= 0.95x
-    where that candidate recomputes (checkpoint_sequential).
+  - each round runs memfit's run and then its candidates' runs back to back (the speed drifts
+    by ~10% within a minute here, so only runs seconds apart compare); rows with the same
+    memfit plan (`memfit plan` from the same profile cache says which) and the same candidates
+    share their runs; each run's time is the median of its timed steps (PyTorch: after its
+    warm-up steps; memfit: steps 3 and later);
+  - a round's ratio is memfit's time over its fastest candidate's in that round; a row's ratio
+    is the median over R rounds. Goals: <= 1.02x, and <= 0.95x where the fastest candidate
+    recomputes (checkpoint_sequential).
 
     python3 bench/vs_pytorch_duel.py --jsonl GRID.jsonl --twin-args FILE --memfit-args FILE
         [--memfit build/memfit] [--threads 1] [--rounds 3] [--md OUT.md]
@@ -32,7 +35,7 @@ import sys
 import tempfile
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-SHARES = (100, 90, 70, 50, 35)
+SHARES = (90, 70, 50, 35)
 PY = "/usr/bin/python3"  # Debian's interpreter: the one that sees python3-torch
 
 
@@ -91,6 +94,16 @@ def describe(plan):
     return f"{c['micro_batch']}x{c['accumulation']} {c['precision']}" + (f", recompute {len(blocks)}" if blocks else "")
 
 
+def plan_config(a, memfit_args, budget, precision, cache):
+    """What `memfit train` will run at this budget: `memfit plan` from the same profile cache."""
+    cmd = [a.memfit, "plan", *memfit_args, "--budget", str(budget), "--precision", precision, "--json",
+           "--no-verify", "--threads", str(a.threads), "--profile-cache", cache]
+    out = subprocess.run(cmd, capture_output=True, text=True)
+    if out.returncode not in (0, 1):
+        sys.exit(f"vs_pytorch_duel: {' '.join(cmd)} failed: {out.stderr.strip()}")
+    return json.loads(out.stdout)["config"]
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--jsonl", required=True)
@@ -107,49 +120,63 @@ def main():
     twin_args, memfit_args = read_args(a.twin_args), read_args(a.memfit_args)
     grid = grid_rows(a.jsonl)
     eager = next(r for r in grid if r["variant"] == "eager")
-    rows = []
-    for share in SHARES:
-        budget = eager["peak_bytes"] * share // 100
-        for mixed in (False, True):
-            rows.append({"share": share, "budget": budget, "mixed": mixed,
-                         "candidates": candidates(grid, budget, mixed, a.near)})
-    variants = sorted({v for r in rows for v in r["candidates"]})
-    twin_times = {v: [] for v in variants}
     with tempfile.TemporaryDirectory() as cache:
+        rows = []
+        for share in SHARES:
+            budget = eager["peak_bytes"] * share // 100
+            for mixed in (False, True):
+                precision = "auto" if mixed else "fp32"
+                rows.append({"share": share, "budget": budget, "mixed": mixed, "precision": precision,
+                             "candidates": candidates(grid, budget, mixed, a.near),
+                             "config": plan_config(a, memfit_args, budget, precision, cache)})
+        # Planned again once every budget's plan has timed what it runs (the cache now holds
+        # those points, and a later budget's may change an earlier one's choice).
+        for r in rows:
+            r["config"] = plan_config(a, memfit_args, r["budget"], r["precision"], cache)
+        # Rows with the same memfit plan and the same PyTorch candidates are one duel.
+        duels = {}
+        for r in rows:
+            key = json.dumps([r["config"], r["candidates"]], sort_keys=True)
+            r["duel"] = duels.setdefault(key, {"row": r, "memfit": [], "twin": {v: [] for v in r["candidates"]}})
         for rnd in range(a.rounds):
-            for v in variants:
-                print(f"== round {rnd + 1}/{a.rounds}: PyTorch {v}", file=sys.stderr)
-                twin_times[v].append(run_twin(a, twin_args, v))
-            for r in rows:
-                precision = "auto" if r["mixed"] else "fp32"
-                print(f"== round {rnd + 1}/{a.rounds}: memfit {r['share']}% {precision}", file=sys.stderr)
-                seconds, plan = run_memfit(a, memfit_args, r["budget"], precision, cache)
-                r.setdefault("memfit_times", []).append(seconds)
-                r["plan"] = plan
-    print_table(a, eager, rows, twin_times)
+            for d in duels.values():
+                r = d["row"]
+                print(f"== round {rnd + 1}/{a.rounds}: memfit {r['share']}% {r['precision']}, then PyTorch "
+                      f"{', '.join(r['candidates'])}", file=sys.stderr)
+                seconds, plan = run_memfit(a, memfit_args, r["budget"], r["precision"], cache)
+                if plan["config"] != r["config"]:
+                    sys.exit(f"vs_pytorch_duel: memfit train ran {describe(plan)}, memfit plan said {describe(r['config'])}")
+                d["memfit"].append(seconds)
+                for v in r["candidates"]:
+                    d["twin"][v].append(run_twin(a, twin_args, v))
+    print_table(a, eager, rows)
 
 
-def print_table(a, eager, rows, twin_times):
+def print_table(a, eager, rows):
     lines = [f"command: {a.command}" if a.command else "",
-             f"{a.rounds} rounds, alternating; each time the median over rounds of a run's median step; "
-             f"PyTorch eager's peak {eager['peak_bytes']} B; {a.threads} threads",
+             f"{a.rounds} rounds; in each, memfit's run and then its PyTorch candidates' runs, back to back; "
+             f"times are medians over rounds of each run's median step, the ratio the median over rounds of "
+             f"memfit's time over the fastest candidate's in that round; PyTorch eager's peak "
+             f"{eager['peak_bytes']} B; {a.threads} threads",
              "",
-             "| budget | mode | fastest fitting PyTorch point (candidates) | PyTorch s | memfit plan | memfit s | ratio | goal |",
+             "| budget | mode | fastest fitting PyTorch point (other candidates) | PyTorch s | memfit plan | memfit s | ratio (each round) | goal |",
              "|---|---|---|---:|---|---:|---:|---|"]
     for r in rows:
         mode = "mixed allowed" if r["mixed"] else "fp32"
         if not r["candidates"]:
-            lines.append(f"| {r['share']}% | {mode} | none fits | | {describe(r['plan'])} | | | |")
+            lines.append(f"| {r['share']}% | {mode} | none fits | | {describe(r['config'])} | | | |")
             continue
-        medians = {v: statistics.median(twin_times[v]) for v in r["candidates"]}
+        d = r["duel"]
+        medians = {v: statistics.median(t) for v, t in d["twin"].items()}
         best = min(medians, key=medians.get)
-        others = ", ".join(f"{v} {medians[v]:.3f}" for v in r["candidates"] if v != best)
-        mine = statistics.median(r["memfit_times"])
-        ratio = mine / medians[best]
+        others = ", ".join(f"{v} {medians[v]:.3f}" for v in medians if v != best)
+        per_round = [m / min(t[i] for t in d["twin"].values()) for i, m in enumerate(d["memfit"])]
+        ratio = statistics.median(per_round)
         goal = 0.95 if "ckpt_seq" in best else 1.02
+        each = ", ".join(f"{x:.3f}" for x in per_round)
         lines.append(f"| {r['share']}% | {mode} | {best}" + (f" ({others})" if others else "") +
-                     f" | {medians[best]:.3f} | {describe(r['plan'])} | {mine:.3f} | {ratio:.3f}x | "
-                     f"{'met' if ratio <= goal else 'not met'} (<= {goal}) |")
+                     f" | {medians[best]:.3f} | {describe(r['config'])} | {statistics.median(d['memfit']):.3f} | "
+                     f"{ratio:.3f}x ({each}) | {'met' if ratio <= goal else 'not met'} (<= {goal}) |")
     lines.append("")
     text = "\n".join(lines)
     print(text)
