@@ -113,19 +113,22 @@ TEST(PlanSearchTest, ChosenPlanIsTheFastestThatFitsAmongAllSchedulesAndSizes) {
 TEST(PlanSearchTest, MicroBatchesBelowTheProfiledSizesAreTimedWhenAPlanWouldRunThem) {
   WorkloadProfile w = hand_workload();
   w.precisions.front().chain_seconds = {{2, 0.02}, {4, 0.04}, {8, 0.08}};  // 1 not timed; guessed 0.01
-  Planner planner(w, hand_request());
-  const Plan plain = planner.plan(int64_t{1} << 40);
+  const Plan plain = Planner(w, hand_request()).plan(int64_t{1} << 40);
   std::vector<int64_t> timed;
   const auto timer = [&](Precision precision, int64_t m) {
     EXPECT_EQ(precision, Precision::kFP32);
     timed.push_back(m);
     return 0.5;  // a micro-batch of 1 is far slower than any line through 2, 4 and 8 says
   };
-  // Ample budget: no plan runs below 2, nothing is timed.
-  EXPECT_EQ(plan_timing_as_needed(planner, int64_t{1} << 40, timer).config.micro_batch_size(), 8);
-  EXPECT_TRUE(timed.empty());
+  // Ample budget: 1 x 8 is guessed as fast as 8 x 1 (the line through 2, 4 and 8 meets zero),
+  // a rival: timed, far slower, and the plan stays 8.
+  Planner ample(w, hand_request());
+  EXPECT_EQ(plan_timing_as_needed(ample, int64_t{1} << 40, timer).config.micro_batch_size(), 8);
+  EXPECT_EQ(timed, std::vector<int64_t>{1});
+  timed.clear();
   // The tightest budget that plans (slot rounding: half a percent over the floor): only
   // micro-batches of 1 fit; they are timed, once.
+  Planner planner(w, hand_request());
   const int64_t floor = planner.floor_bytes();
   int count = 0;
   const Plan tight = plan_timing_as_needed(planner, floor + floor / 200, timer, &count);
@@ -171,6 +174,27 @@ TEST(PlanSearchTest, TheWholeBatchIsTimedBeforeAPlanRunsIt) {
   EXPECT_NEAR(planner.evaluate(8, Precision::kFP32, CheckpointPlan::none(), int64_t{1} << 40).predicted_seconds -
                   plan.predicted_seconds,
               0.2 - 2 * 0.045, 1e-9);  // the measured point, not the guess
+}
+
+// A rival guessed a little slower than the chosen plan may be faster: sizes of plans predicted
+// within kRivalSlack of it are timed too, and the plan follows the measurements.
+TEST(PlanSearchTest, RivalsPredictedCloseToThePlanAreTimedToo) {
+  WorkloadProfile w = hand_workload();
+  // Guesses: 8 x 1 0.090, 4 x 2 0.088 (timed), 2 x 4 0.084 (timed), 1 x 8 0.084.
+  w.precisions.front().chain_seconds = {{2, 0.021}, {4, 0.044}};
+  Planner planner(w, hand_request());
+  const Plan guessed = planner.plan(int64_t{1} << 40);
+  ASSERT_EQ(guessed.config.micro_batch_size(), 2);
+  std::vector<int64_t> timed;
+  const auto timer = [&](Precision, int64_t m) {
+    timed.push_back(m);
+    return m == 8 ? 0.06 : 0.2;  // the whole batch is the fastest; single samples the slowest
+  };
+  const Plan plan = plan_timing_as_needed(planner, int64_t{1} << 40, timer);
+  std::sort(timed.begin(), timed.end());
+  EXPECT_EQ(timed, (std::vector<int64_t>{1, 8}));
+  EXPECT_EQ(plan.config.micro_batch_size(), 8);
+  EXPECT_NEAR(plan.predicted_seconds, 0.06 + hand_request().optimizer.seconds, 1e-9);
 }
 
 TEST(PlanSearchTest, FloorIsTheSmallestBudgetThatPlans) {

@@ -99,6 +99,27 @@ std::vector<int64_t> Planner::untimed_sizes(const Plan& plan) const {
   return sizes;
 }
 
+std::vector<std::pair<Precision, int64_t>> Planner::untimed_rival_sizes(const Plan& plan, double slack) const {
+  std::vector<std::pair<Precision, int64_t>> out;
+  const auto add = [&out, this](const Plan& p) {
+    for (int64_t m : untimed_sizes(p)) {
+      const std::pair<Precision, int64_t> size{p.config.precision, m};
+      if (std::find(out.begin(), out.end(), size) == out.end()) out.push_back(size);
+    }
+  };
+  add(plan);
+  if (!plan.feasible) return out;
+  const auto usable = static_cast<int64_t>(static_cast<double>(plan.budget_bytes) * (1.0 - request_.margin));
+  const OptimizerCost& optimizer = optimizer_cost(plan.config.optimizer.state);
+  for (const auto& pp : profile_.precisions) {
+    for (int64_t m : candidate_sizes()) {
+      const Plan rival = best_plan_at(m, pp, optimizer, usable);
+      if (rival.feasible && rival.predicted_seconds <= (1.0 + slack) * plan.predicted_seconds) add(rival);
+    }
+  }
+  return out;
+}
+
 void Planner::add_chain_seconds(Precision precision, int64_t m, double seconds) {
   for (auto& pp : profile_.precisions) {
     if (pp.precision != precision) continue;
@@ -115,10 +136,10 @@ void Planner::add_chain_seconds(Precision precision, int64_t m, double seconds) 
 Plan plan_timing_as_needed(Planner& planner, int64_t budget_bytes, const ChainTimer& time_chain, int* timed) {
   int count = 0;
   Plan plan = planner.plan(budget_bytes);
-  // Each round adds a point the plan runs: the sizes a plan can run are finite.
-  for (std::vector<int64_t> sizes = planner.untimed_sizes(plan); !sizes.empty() && time_chain;
-       sizes = planner.untimed_sizes(plan)) {
-    for (int64_t m : sizes) planner.add_chain_seconds(plan.config.precision, m, time_chain(plan.config.precision, m));
+  // Each round times at least one size: the sizes a plan can run are finite.
+  for (auto sizes = planner.untimed_rival_sizes(plan, kRivalSlack); !sizes.empty() && time_chain;
+       sizes = planner.untimed_rival_sizes(plan, kRivalSlack)) {
+    for (const auto& [precision, m] : sizes) planner.add_chain_seconds(precision, m, time_chain(precision, m));
     count += static_cast<int>(sizes.size());
     plan = planner.plan(budget_bytes);
   }
@@ -245,32 +266,42 @@ int64_t Planner::floor_bytes() const {
   return static_cast<int64_t>(std::ceil(static_cast<double>(smallest) / (1.0 - request_.margin)));
 }
 
+std::vector<int64_t> Planner::candidate_sizes() const {
+  if (request_.step.micro_batch > 0) return {request_.step.micro_batch};
+  std::vector<int64_t> sizes;
+  for (int64_t m = profile_.batch; m >= 1; m = m == 1 ? 0 : (m + 1) / 2) sizes.push_back(m);
+  return sizes;
+}
+
+Plan Planner::unfitted_plan(Precision precision, StatePrecision state) const {
+  Plan p;
+  p.config = request_.step;
+  p.config.precision = precision;
+  p.config.optimizer = request_.step.optimizer.with_state(state);
+  return p;
+}
+
+Plan Planner::best_plan_at(int64_t m, const PrecisionProfile& pp, const OptimizerCost& optimizer, int64_t usable) const {
+  Plan p = unfitted_plan(pp.precision, optimizer.state);
+  if (optimizer_peak(optimizer) > usable) return p;
+  const ChainCosts costs = costs_at(m, pp, optimizer);
+  const Schedule s = request_.checkpoint ? evaluate_schedule(costs, request_.checkpoint->segments) : solve_schedule(costs, usable);
+  if (!s.feasible || s.peak_bytes > usable) return p;
+  p.feasible = true;
+  p.config.micro_batch = m;
+  p.config.checkpoint.segments = s.segments;
+  p.predicted_peak = std::max(s.peak_bytes, optimizer_peak(optimizer));
+  p.predicted_seconds = step_seconds(m, pp, s.segments, optimizer);
+  return p;
+}
+
 Plan Planner::best_plan_of(const PrecisionProfile& pp, const OptimizerCost& optimizer, int64_t usable) const {
   // Micro-batch sizes tried: the pinned one, or B, B/2, B/4, ... 1. Ties (within 1%) go to
   // the larger micro-batch.
-  const int64_t B = profile_.batch;
-  std::vector<int64_t> sizes;
-  if (request_.step.micro_batch > 0) {
-    sizes.push_back(request_.step.micro_batch);
-  } else {
-    for (int64_t m = B; m >= 1; m = m == 1 ? 0 : (m + 1) / 2) sizes.push_back(m);
-  }
-  Plan best;
-  best.config = request_.step;
-  best.config.precision = pp.precision;
-  best.config.optimizer = request_.step.optimizer.with_state(optimizer.state);
-  if (optimizer_peak(optimizer) > usable) return best;
-  for (int64_t m : sizes) {
-    const ChainCosts costs = costs_at(m, pp, optimizer);
-    const Schedule s = request_.checkpoint ? evaluate_schedule(costs, request_.checkpoint->segments) : solve_schedule(costs, usable);
-    if (!s.feasible || s.peak_bytes > usable) continue;
-    const double seconds = step_seconds(m, pp, s.segments, optimizer);
-    if (best.feasible && seconds >= 0.99 * best.predicted_seconds) continue;
-    best.feasible = true;
-    best.config.micro_batch = m;
-    best.config.checkpoint.segments = s.segments;
-    best.predicted_peak = std::max(s.peak_bytes, optimizer_peak(optimizer));
-    best.predicted_seconds = seconds;
+  Plan best = unfitted_plan(pp.precision, optimizer.state);
+  for (int64_t m : candidate_sizes()) {
+    Plan p = best_plan_at(m, pp, optimizer, usable);
+    if (p.feasible && !(best.feasible && p.predicted_seconds >= 0.99 * best.predicted_seconds)) best = std::move(p);
   }
   return best;
 }

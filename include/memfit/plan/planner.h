@@ -78,11 +78,15 @@ Plan plan_from_json(const nlohmann::json& json, int blocks);
 class Planner;
 // Seconds of the plain chain at a precision and micro-batch size (profile.h's time_plain_chain).
 using ChainTimer = std::function<double(Precision precision, int64_t micro_batch)>;
-// Plans for `budget_bytes` (0: the request's); while the plan runs micro-batches that its
-// precision's chain was not timed at, times them with `time_chain`, adds them to the
+// Plans for `budget_bytes` (0: the request's); while the plan, or a rival predicted within
+// kRivalSlack of it, runs micro-batches that its precision's chain was not timed at, times them with `time_chain`, adds them to the
 // planner's profile and plans again (each size timed once). Returns the plan; *timed counts
 // the sizes timed (the caller may store the grown profile).
 Plan plan_timing_as_needed(Planner& planner, int64_t budget_bytes, const ChainTimer& time_chain, int* timed = nullptr);
+// How close a rival's predicted step must be to the chosen plan's for its guessed sizes to be
+// timed too: a guess can be off either way (GPT 6x192 bf16: the whole batch of 24, guessed
+// slower than 6 x 4, ran 9% faster).
+constexpr double kRivalSlack = 0.10;
 
 class Planner {
  public:
@@ -110,6 +114,9 @@ class Planner {
   // chain was not timed at: there the time model guessed (a line through timed sizes, which
   // misses per-call costs below them and cache effects above them).
   std::vector<int64_t> untimed_sizes(const Plan& plan) const;
+  // The untimed sizes (with their precision) of `plan` and of each precision's best plan at
+  // each micro-batch size that fits plan.budget_bytes and is predicted within `slack` of it.
+  std::vector<std::pair<Precision, int64_t>> untimed_rival_sizes(const Plan& plan, double slack) const;
   // Adds a timed point to a precision's time model (time_plain_chain in profile.h).
   void add_chain_seconds(Precision precision, int64_t micro_batch, double seconds);
   const PlanRequest& request() const { return request_; }
@@ -124,6 +131,10 @@ class Planner {
   int64_t weight_bytes() const;  // held through the step: all weights, or this rank's shards (ZeRO 3)
   void add_gathered_blocks(ChainCosts& costs) const;
   Plan prediction_base(int64_t budget) const;
+  std::vector<int64_t> candidate_sizes() const;  // the pinned micro-batch, or B, B/2, B/4, ... 1
+  Plan unfitted_plan(Precision precision, StatePrecision state) const;  // feasible false, config defaults
+  // The best plan at micro-batch m (not feasible when none fits `usable`).
+  Plan best_plan_at(int64_t m, const PrecisionProfile& p, const OptimizerCost& optimizer, int64_t usable) const;
   Plan best_plan_of(const PrecisionProfile& p, const OptimizerCost& optimizer, int64_t usable) const;
   Plan best_plan_with(const OptimizerCost& optimizer, int64_t usable) const;
   void explain_choice(Plan& chosen, const std::vector<Plan>& best_of) const;

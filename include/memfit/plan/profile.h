@@ -14,8 +14,8 @@
 // less the forward that recomputing adds. Elsewhere the line is only a first guess: below the
 // quarter fixed per-call costs make small micro-batches slower than any line says, and above
 // it caches make larger ones slower per sample on some machines (GPT 6x192 on a 2-core Xeon:
-// 24 samples 13% slower per sample than 12). So every size a plan would run that was not
-// measured is timed before the plan is taken (plan_timing_as_needed in planner.h,
+// 24 samples 13% slower per sample than 12). So every size that a plan, or a rival predicted
+// close to it, would run and that was not measured is timed before the plan is taken (plan_timing_as_needed in planner.h,
 // time_plain_chain here). Those points are the time model; the blocks' seconds only divide a
 // point's time among blocks.
 //
