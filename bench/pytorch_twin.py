@@ -120,6 +120,9 @@ def parse_args(argv=None):
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", action="store_true", help="one compact JSON line")
     p.add_argument("--params-only", action="store_true", help="print only the parameter count")
+    p.add_argument("--stream", action="store_true",
+                   help="no profiler, no JSON: train --steps steps, printing 'step K SECONDS' after each, "
+                        "flushed (bench/lockstep.py times processes by these lines)")
     a = p.parse_args(argv)
     try:
         a.parts = parse_variant(a.variant)
@@ -558,6 +561,16 @@ def measure(args):
     }
 
 
+def stream(args):
+    """Train --steps steps without the profiler, one flushed line per finished step."""
+    trainer = Trainer(args)
+    for k in range(1, args.steps + 1):
+        t0 = time.perf_counter()
+        trainer.step()
+        print("step %d %.6f" % (k, time.perf_counter() - t0), flush=True)
+    return 0
+
+
 def main(args):
     torch.set_num_threads(args.threads)
     if args.params_only:
@@ -569,6 +582,8 @@ def main(args):
             model = make_cnn(args.blocks, args.channels)
         print(parameter_count(model))
         return 0
+    if args.stream:
+        return stream(args)
 
     load_before = os.getloadavg()[0]
     try:

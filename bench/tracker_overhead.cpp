@@ -1,7 +1,7 @@
 // Tracker overhead: step time of the reference GPT with and without a MemoryTracker installed,
 // interleaved in the same run, medians of several steps. Goal: <= 2% of step time.
 //
-//   ./build/bench/tracker_overhead [--steps N] [--threads N] [--layers N --d-model N ...]
+//   ./build/bench/tracker_overhead [--steps N] [--threads N] [--precision fp32|bf16] [--layers N --d-model N ...]
 //
 // --tracked 0|1 runs one warm-up step and then --steps steps, all without (0) or with (1) the
 // tracker, and times nothing: bench/tracker_instructions.sh counts their instructions under
@@ -31,8 +31,13 @@ int main(int argc, char** argv) {
   ModelOptions m;
   int steps = 7, threads = 2, tracked_only = -1;  // -1: interleaved timing
   int64_t batch = 16;
+  Precision precision = Precision::kFP32;
   for (int i = 1; i + 1 < argc; i += 2) {
     const std::string k = argv[i];
+    if (k == "--precision") {
+      precision = parse_precision(argv[i + 1]);
+      continue;
+    }
     const long long v = std::atoll(argv[i + 1]);
     if (k == "--steps") steps = static_cast<int>(v);
     else if (k == "--threads") threads = static_cast<int>(v);
@@ -49,6 +54,7 @@ int main(int argc, char** argv) {
   const Batch data = w.data->train_batch(0, batch, 0);
   StepConfig config;
   config.batch = batch;
+  config.precision = precision;
   const StepOptions so{config};
   auto tracker = std::make_shared<MemoryTracker>();
   std::vector<double> with, without;
@@ -75,8 +81,8 @@ int main(int argc, char** argv) {
   const double a = median(without), b = median(with);
   std::printf("command: %s", argv[0]);
   for (int i = 1; i < argc; ++i) std::printf(" %s", argv[i]);
-  std::printf("\n%s, batch %lld, %d threads, %d steps each (interleaved)\n", w.description.c_str(),
-              static_cast<long long>(batch), threads, steps);
+  std::printf("\n%s, batch %lld, %s, %d threads, %d steps each (interleaved)\n", w.description.c_str(),
+              static_cast<long long>(batch), precision_name(precision), threads, steps);
   std::printf("median step without tracker: %.4f s\nmedian step with tracker:    %.4f s\n", a, b);
   std::printf("overhead: %+.2f%% (allocations seen per step: %lld)\n", 100.0 * (b - a) / a,
               static_cast<long long>(tracker->allocation_count() / steps));

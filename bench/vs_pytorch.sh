@@ -24,10 +24,10 @@
 #   --accum     the grid's gradient accumulation steps (default: 1 2 4 8 16, those dividing --batch)
 #   --base-only only the base comparison: PyTorch eager and memfit's plain step alternating
 #               (--base-rounds N times, default 3), then their time ratio and peaks; no grid, no plans
-#   --duel R    after the grid pass, head to head instead of the one-pass table: for each
+#   --duel T    after the grid pass, head to head instead of the one-pass table: for each
 #               budget and mode, memfit's `memfit train` against the fastest fitting grid
-#               points, alternating, R rounds (bench/vs_pytorch_duel.py; writes
-#               vs_pytorch_duel_<model>.md)
+#               points, in lockstep, T turns (bench/vs_pytorch_duel.py, bench/lockstep.py;
+#               writes vs_pytorch_duel_<model>.md)
 #   --precisions  the grid's precisions (default: fp32 bf16; a variant the model cannot run is a
 #               row with its error)
 #   MODEL FLAGS passed to both sides: --layers --d-model --heads --seq --dropout (gpt),
@@ -175,7 +175,7 @@ if ((duel)); then
   printf '%s\n' "${memfit_model[@]}" "${model_flags[@]}" > "$out/duel_memfit_args.txt"
   "$py" "$here/vs_pytorch_duel.py" --jsonl "$jsonl" --twin-args "$out/duel_twin_args.txt" \
     --memfit-args "$out/duel_memfit_args.txt" --memfit "$build/memfit" --threads "$threads" \
-    --rounds "$duel" --command "$command" --md "$out/vs_pytorch_duel_$name.md"
+    --turns "$duel" --command "$command" --md "$out/vs_pytorch_duel_$name.md"
   rm -f "$out/duel_twin_args.txt" "$out/duel_memfit_args.txt"
   exit 0
 fi

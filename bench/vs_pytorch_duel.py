@@ -8,20 +8,22 @@ seconds (a whole run can sit inside one), so for each budget (shares of PyTorch 
 and each mode (fp32 only; mixed precision allowed):
 
   - the PyTorch candidates are the grid points that fit the budget and whose fastest step in
-    the grid pass is within --near (10%) of the fastest fitting point's, at most 3;
+    the grid pass is within --near (15%) of the fastest fitting point's, at most 4 (one pass
+    is noisy: a candidate too many costs little, the true fastest left out would flatter memfit);
   - memfit's side is `memfit train --budget B --precision fp32|auto`: planned by memfit itself
-    (no trial runs; the profile cache makes later rounds plan from the first round's profile);
-  - each round runs memfit's run and then its candidates' runs back to back (the speed drifts
-    by ~10% within a minute here, so only runs seconds apart compare); rows with the same
-    memfit plan (`memfit plan` from the same profile cache says which) and the same candidates
-    share their runs; each run's time is the median of its timed steps (PyTorch: after its
-    warm-up steps; memfit: steps 3 and later);
-  - a round's ratio is memfit's time over its fastest candidate's in that round; a row's ratio
-    is the median over R rounds. Goals: <= 1.02x, and <= 0.95x where the fastest candidate
-    recomputes (checkpoint_sequential).
+    (no trial runs; the profile cache, filled by `memfit plan` for every row first, holds the
+    sizes each plan timed);
+  - memfit's run and its candidates run in lockstep (bench/lockstep.py): each process starts
+    and warms up alone, then they take turns of a few steps while the others are stopped, so
+    every comparison is between steps seconds apart; rows with the same memfit plan and the
+    same candidates share one lockstep run;
+  - the fastest candidate is the one with the least median over turns; a turn's ratio is
+    memfit's median step in that turn over that candidate's; a row's
+    ratio is the median over --turns turns. Goals: <= 1.02x, and <= 0.95x where the fastest
+    candidate recomputes (checkpoint_sequential).
 
     python3 bench/vs_pytorch_duel.py --jsonl GRID.jsonl --twin-args FILE --memfit-args FILE
-        [--memfit build/memfit] [--threads 1] [--rounds 3] [--md OUT.md]
+        [--memfit build/memfit] [--threads 1] [--turns 16] [--md OUT.md]
 
 --twin-args / --memfit-args: files with one argument per line, naming the model on each side
 (vs_pytorch.sh writes them). Prints a markdown table and, with --md, writes it there too.
@@ -33,6 +35,8 @@ import statistics
 import subprocess
 import sys
 import tempfile
+
+from lockstep import run_lockstep, turn_medians
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 SHARES = (90, 70, 50, 35)
@@ -60,32 +64,23 @@ def candidates(grid, budget, mixed, near):
         return []
     fitting.sort(key=lambda r: r["min_step_s"])
     best = fitting[0]["min_step_s"]
-    return [r["variant"] for r in fitting if r["min_step_s"] <= best * (1 + near)][:3]
+    return [r["variant"] for r in fitting if r["min_step_s"] <= best * (1 + near)][:4]
 
 
-def run_twin(a, twin_args, variant):
-    cmd = [PY, os.path.join(HERE, "pytorch_twin.py"), *twin_args, "--threads", str(a.threads),
-           "--steps", str(a.steps), "--json", "--variant", variant]
-    out = subprocess.run(cmd, capture_output=True, text=True)
-    line = next((l for l in out.stdout.splitlines() if l.startswith("{")), None)
-    if out.returncode != 0 or line is None or "error" in json.loads(line):
-        sys.exit(f"vs_pytorch_duel: {' '.join(cmd)} failed: {out.stderr.strip() or line}")
-    return json.loads(line)["median_step_s"]
+def twin_command(a, twin_args, variant):
+    return [PY, os.path.join(HERE, "pytorch_twin.py"), *twin_args, "--threads", str(a.threads), "--stream",
+            "--steps", "1000000", "--variant", variant]
 
 
-def run_memfit(a, memfit_args, budget, precision, cache):
-    """One `memfit train` under the budget: its plan and the median of its steps 3 and later."""
-    with tempfile.NamedTemporaryFile(suffix=".jsonl") as log:
-        cmd = [a.memfit, "train", *memfit_args, "--budget", str(budget), "--precision", precision,
-               "--threads", str(a.threads), "--steps", str(a.steps + 2), "--profile-cache", cache,
-               "--eval-every", "0", "--report", "", "--no-progress", "--json-log", log.name]
-        out = subprocess.run(cmd, capture_output=True, text=True)
-        if out.returncode != 0:
-            sys.exit(f"vs_pytorch_duel: {' '.join(cmd)} failed: {out.stderr.strip()}")
-        lines = [json.loads(l) for l in open(log.name) if l.strip()]
-    steps = [l["seconds"] for l in lines if l.get("type") == "step"]
-    plan = next(l for l in lines if l.get("type") == "plan")
-    return statistics.median(steps[2:]), plan
+def memfit_command(a, memfit_args, budget, precision, cache):
+    return [a.memfit, "train", *memfit_args, "--budget", str(budget), "--precision", precision,
+            "--threads", str(a.threads), "--steps", "1000000", "--progress-every", "1", "--profile-cache", cache,
+            "--eval-every", "0", "--report", ""]
+
+
+def plan_line(config):
+    """How `memfit train` prints the plan it runs (its first plan line)."""
+    return f"micro-batch {config['micro_batch']} x {config['accumulation']} accumulation steps, precision {config['precision']}"
 
 
 def describe(plan):
@@ -111,9 +106,10 @@ def main():
     ap.add_argument("--memfit-args", required=True)
     ap.add_argument("--memfit", default="build/memfit")
     ap.add_argument("--threads", type=int, default=1)
-    ap.add_argument("--steps", type=int, default=5, help="timed steps per run")
-    ap.add_argument("--rounds", type=int, default=3)
-    ap.add_argument("--near", type=float, default=0.10)
+    ap.add_argument("--turns", type=int, default=16, help="lockstep turns per duel")
+    ap.add_argument("--steps-per-turn", type=int, default=4, help="step lines per turn (the first and the next "
+                    "one are left out: paused, then cold)")
+    ap.add_argument("--near", type=float, default=0.15)
     ap.add_argument("--command", default="")
     ap.add_argument("--md")
     a = ap.parse_args()
@@ -137,29 +133,33 @@ def main():
         duels = {}
         for r in rows:
             key = json.dumps([r["config"], r["candidates"]], sort_keys=True)
-            r["duel"] = duels.setdefault(key, {"row": r, "memfit": [], "twin": {v: [] for v in r["candidates"]}})
-        for rnd in range(a.rounds):
-            for d in duels.values():
-                r = d["row"]
-                print(f"== round {rnd + 1}/{a.rounds}: memfit {r['share']}% {r['precision']}, then PyTorch "
-                      f"{', '.join(r['candidates'])}", file=sys.stderr)
-                seconds, plan = run_memfit(a, memfit_args, r["budget"], r["precision"], cache)
-                if plan["config"] != r["config"]:
-                    sys.exit(f"vs_pytorch_duel: memfit train ran {describe(plan)}, memfit plan said {describe(r['config'])}")
-                d["memfit"].append(seconds)
-                for v in r["candidates"]:
-                    d["twin"][v].append(run_twin(a, twin_args, v))
+            if r["candidates"]:
+                r["duel"] = duels.setdefault(key, {"row": r, "memfit": [], "twin": {}})
+        for i, d in enumerate(duels.values()):
+            r = d["row"]
+            print(f"== duel {i + 1}/{len(duels)}: memfit {r['share']}% {r['precision']} ({describe(r['config'])}) "
+                  f"against PyTorch {', '.join(r['candidates'])}, {a.turns} turns", file=sys.stderr)
+            commands = [memfit_command(a, memfit_args, r["budget"], r["precision"], cache)]
+            commands += [twin_command(a, twin_args, v) for v in r["candidates"]]
+            samples, lines = run_lockstep(commands, a.turns, a.steps_per_turn)
+            if not any(plan_line(r["config"]) in l for l in lines[0]):
+                sys.exit(f"vs_pytorch_duel: memfit train did not run the plan memfit plan made ({describe(r['config'])}):\n"
+                         + "\n".join(lines[0][:12]))
+            medians = turn_medians(samples)
+            d["memfit"] = medians[0]
+            d["twin"] = dict(zip(r["candidates"], medians[1:]))
     print_table(a, eager, rows)
 
 
 def print_table(a, eager, rows):
     lines = [f"command: {a.command}" if a.command else "",
-             f"{a.rounds} rounds; in each, memfit's run and then its PyTorch candidates' runs, back to back; "
-             f"times are medians over rounds of each run's median step, the ratio the median over rounds of "
-             f"memfit's time over the fastest candidate's in that round; PyTorch eager's peak "
-             f"{eager['peak_bytes']} B; {a.threads} threads",
+             f"memfit's run and its PyTorch candidates in lockstep (bench/lockstep.py), {a.turns} turns of "
+             f"{a.steps_per_turn} step lines each ({a.steps_per_turn - 2} timed); times are medians over turns of each "
+             f"process's median step in the turn, the ratio the median over turns of memfit's time over the fastest "
+             f"candidate's in that turn (quartiles in brackets); PyTorch eager's peak {eager['peak_bytes']} B; "
+             f"{a.threads} threads",
              "",
-             "| budget | mode | fastest fitting PyTorch point (other candidates) | PyTorch s | memfit plan | memfit s | ratio (each round) | goal |",
+             "| budget | mode | fastest fitting PyTorch point (other candidates) | PyTorch s | memfit plan | memfit s | ratio (quartiles over turns) | goal |",
              "|---|---|---|---:|---|---:|---:|---|"]
     for r in rows:
         mode = "mixed allowed" if r["mixed"] else "fp32"
@@ -170,10 +170,11 @@ def print_table(a, eager, rows):
         medians = {v: statistics.median(t) for v, t in d["twin"].items()}
         best = min(medians, key=medians.get)
         others = ", ".join(f"{v} {medians[v]:.3f}" for v in medians if v != best)
-        per_round = [m / min(t[i] for t in d["twin"].values()) for i, m in enumerate(d["memfit"])]
-        ratio = statistics.median(per_round)
+        per_turn = [m / t for m, t in zip(d["memfit"], d["twin"][best])]
+        ratio = statistics.median(per_turn)
         goal = 0.95 if "ckpt_seq" in best else 1.02
-        each = ", ".join(f"{x:.3f}" for x in per_round)
+        q = statistics.quantiles(per_turn, n=4) if len(per_turn) > 1 else [ratio, ratio, ratio]
+        each = f"{q[0]:.3f}-{q[2]:.3f}"
         lines.append(f"| {r['share']}% | {mode} | {best}" + (f" ({others})" if others else "") +
                      f" | {medians[best]:.3f} | {describe(r['config'])} | {statistics.median(d['memfit']):.3f} | "
                      f"{ratio:.3f}x ({each}) | {'met' if ratio <= goal else 'not met'} (<= {goal}) |")

@@ -143,7 +143,7 @@ std::string flag_message(const OptionError& e) {
       {"gpt.seq", "--seq"}, {"gpt.dropout", "--dropout"}, {"gpt.vocab", "--data"}, {"cnn.blocks", "--blocks"},
       {"cnn.channels", "--channels"}, {"mlp.width", "--width"}, {"world_size", "--world-size"}, {"zero_stage", "--zero"},
       {"distributed.world_size", "--world-size"}, {"distributed.rank", "--rank"}, {"distributed.master", "--master"},
-      {"distributed.timeout", "--dist-timeout"}, {"save_every", "--save-every"}, {"eval_every", "--eval-every"},
+      {"distributed.timeout", "--dist-timeout"}, {"save_every", "--save-every"}, {"eval_every", "--eval-every"}, {"progress_every", "--progress-every"},
       {"eval_batches", "--eval-batches"}, {"inject_oom", "--inject-oom"}, {"json_log", "--json-log"},
       {"dump_weights", "--dump-weights"}, {"data", "--data"}, {"loss", "--loss"}};
   const auto it = flags.find(e.option());

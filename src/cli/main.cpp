@@ -68,6 +68,9 @@ CLI::App* add_train(CLI::App& app, WorkloadFlags& w, StepFlags& s, TrainFlags& f
   cmd->add_option("--json-log", o.json_log, "write JSON lines (plan, steps, summary) to this file");
   cmd->add_option("--report", o.report_html, "HTML report of the last step")->capture_default_str();
   cmd->add_flag("!--no-progress", o.progress, "no progress lines");
+  cmd->add_option("--progress-every", o.progress_every,
+                  "not on a terminal: a progress line every K steps (0: about 20 lines a run)")
+      ->capture_default_str();
   cmd->add_option("--world-size", o.distributed.world_size, "data-parallel ranks (memfit launch sets it)")->capture_default_str();
   cmd->add_option("--rank", o.distributed.rank, "this process's rank: 0 to --world-size - 1")->capture_default_str();
   cmd->add_option("--master", o.distributed.master, "HOST:PORT of the rendezvous rank 0 opens")->capture_default_str();

@@ -118,7 +118,7 @@ void print_plan(TrainerState& t) {
 
 void print_progress(TrainerState& t, int64_t step, const nlohmann::json& line) {
   const int64_t first = t.start_step, total = t.o.steps;
-  const int64_t every = std::max<int64_t>(1, (total - first) / 20);
+  const int64_t every = t.o.progress_every > 0 ? t.o.progress_every : std::max<int64_t>(1, (total - first) / 20);
   const bool eval = line.contains("eval_loss");
   if (!t.o.progress || !(t.tty || step % every == 0 || step == total || eval)) return;
   const double seconds = line.at("seconds").get<double>();

@@ -68,6 +68,7 @@ void check_train_options(const TrainOptions& o, const Workload& w) {
                "expected 1 to batch (" + std::to_string(o.batch) + ")");
   check_option(o.save_every >= 1, "save_every", o.save_every, "expected >= 1");
   check_option(o.eval_every >= 0, "eval_every", o.eval_every, "expected >= 0 (0: never)");
+  check_option(o.progress_every >= 0, "progress_every", o.progress_every, "expected >= 0 (0: about 20 lines a run)");
   check_option(o.eval_batches >= 1, "eval_batches", o.eval_batches, "expected >= 1");
   for (int64_t s : o.inject_oom) {
     check_option(s >= 1 && s <= o.steps, "inject_oom", s, "expected steps from 1 to steps (" + std::to_string(o.steps) + ")");

@@ -61,6 +61,7 @@ cases() {
     echo "rpt|--seed|refuse|$v|"
     echo "t|--save-every|refuse|$v|--save=@DIR@/s"
     echo "t|--eval-every|refuse|$v|"
+    echo "t|--progress-every|refuse|$v|"
     echo "t|--eval-batches|refuse|$v|--eval-every=1"
   done
   for v in 0 -0; do echo "t|--save-every|refuse|$v|--save=@DIR@/s"; done
@@ -68,7 +69,7 @@ cases() {
   for v in 0 -0; do echo "t|--eval-batches|refuse|$v|--eval-every=1"; done
   echo "t|--eval-batches|REFUSE|0|"
   echo "t|--eval-batches|refuse|-1|"
-  for v in 0 2147483648 9223372036854775807; do echo "t|--eval-every|any|$v|"; done
+  for v in 0 2147483648 9223372036854775807; do echo "t|--eval-every|any|$v|"; echo "t|--progress-every|any|$v|"; done
   echo "t|--eval-batches|any|2147483648|"
 
   # Values that read as something else than written: the 0 of --layers means "the model's

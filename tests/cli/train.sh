@@ -98,5 +98,11 @@ one_line_error "--budget: invalid size 'lots'" "$memfit" train "${small[@]}" --s
 one_line_error "--inject-oom" "$memfit" train "${small[@]}" --steps 2 --inject-oom 0
 one_line_error "no saved state" "$memfit" train "${small[@]}" --steps 2 --resume "$dir/nothing-here"
 
+# Progress lines through a pipe: about 20 a run by default, one every K steps with --progress-every.
+lines() { "$memfit" train --layers 2 --d-model 64 --heads 4 --seq 32 --batch 8 "${pinned[@]}" --budget 64MiB --eval-every 0 --report "" "$@" 2>/dev/null | grep -c " step [0-9]*/"; }
+[ "$(lines --steps 40)" -eq 20 ] && ok || bad "40 steps through a pipe: expected 20 progress lines"
+[ "$(lines --steps 5 --progress-every 1)" -eq 5 ] && ok || bad "--progress-every 1: expected a line per step"
+[ "$(lines --steps 5 --progress-every 2)" -eq 3 ] && ok || bad "--progress-every 2 over 5 steps: expected steps 2, 4 and 5"
+
 echo "cli train: $pass passed, $fail failed"
 [ $fail -eq 0 ]

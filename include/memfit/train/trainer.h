@@ -62,6 +62,7 @@ struct TrainOptions {
   std::string json_log;
   std::string report_html;          // empty: no HTML report
   bool progress = true;
+  int64_t progress_every = 0;       // not on a terminal: a line every K steps; 0: about 20 lines a run
   // world_size > 1: this process is one rank of data-parallel training over the global
   // `batch` (see distributed.h); rank 0 alone writes the log, the report and saved state.
   DistributedOptions distributed;
