@@ -48,22 +48,21 @@ struct ChainRun {
   }
   // One run as a step runs m: accumulating, unless m is the whole batch.
   double as_in_a_step(int64_t m) { return m < batch.size() ? (*this)(m) : fresh(m); }
-  // The fastest of `runs` runs (the bytes are the same each time): the first run at a new
-  // size pays for first use (oneDNN builds kernels per shape; callers run it apart), and this
-  // machine's neighbours only ever make a run slower.
-  double best_of(int runs, int64_t m) {
-    double best = std::numeric_limits<double>::infinity();
-    for (int i = 0; i < runs; ++i) best = std::min(best, as_in_a_step(m));
-    release_gradients();
-    return best;
-  }
-  // The median of three runs after a first one: a typical run's, as a step's median is.
-  double median_of_three(int64_t m) {
-    fresh(m);
+  // The median of three runs as in a step, m having run before (the first run at a new size
+  // pays for first use: oneDNN builds kernels per shape): a typical run's, as a step's median
+  // is. Every timed point takes this one statistic: a fastest-of-two point beside medians
+  // looked faster than its neighbours on a machine whose noise only slows runs, and plans
+  // drifted to its size (half the batch in every bf16 plan of the default GPT, session 8).
+  double median_of_three_warm(int64_t m) {
     double t[3] = {as_in_a_step(m), as_in_a_step(m), as_in_a_step(m)};
     release_gradients();
     std::sort(t, t + 3);
     return t[1];
+  }
+  // The same after a first run of its own.
+  double median_of_three(int64_t m) {
+    fresh(m);
+    return median_of_three_warm(m);
   }
 };
 
@@ -75,8 +74,8 @@ std::pair<int64_t, int64_t> profiled_sizes(int64_t batch) {
   return {a, b};
 }
 
-// The time model's points at a and b (see profile.h), b timed already: a runs twice (first
-// use, then as in a step).
+// The time model's points at a and b (see profile.h), b timed already: a runs four times (first
+// use, then the median of three as in a step).
 // Above b, a CPU's time starts as the line continued: a first guess, timed when a plan would
 // run such a size (the planner's plan_timing_as_needed). Elsewhere (a GPU's occupancy bends
 // the line) the whole batch runs once with every block recomputed (little memory), and the
@@ -86,8 +85,7 @@ void time_chain(ChainRun& run, int64_t B, double plain_b, PrecisionProfile& pp) 
   const int64_t a = pp.small.micro_batch, b = pp.large.micro_batch;
   pp.chain_seconds = {{b, plain_b}};
   if (a < b) {
-    run.fresh(a);  // first use of this size
-    pp.chain_seconds.insert(pp.chain_seconds.begin(), {a, run.best_of(1, a)});
+    pp.chain_seconds.insert(pp.chain_seconds.begin(), {a, run.median_of_three(a)});
   }
   if (B > b && run.batch.input.device().type() != c10::kCPU) {
     double blocks = 0;
@@ -219,7 +217,7 @@ PrecisionProfile profile_precision(Workload& w, const Batch& batch, Precision pr
   ChainRun run{w, batch, tracker, StepOptions{config}};
   int64_t measured = 0;
   run.fresh(b, &measured);  // first use of this size (and of the chain); its peak calibrates
-  const double plain_b = run.best_of(2, b);
+  const double plain_b = run.median_of_three_warm(b);
   pp.large = profile_chain(w, batch, b, precision, tracker);
   pp.small = b > a ? profile_chain(w, batch, a, precision, tracker) : pp.large;
   time_chain(run, batch.size(), plain_b, pp);

@@ -1,14 +1,15 @@
 // profile.h — what a workload costs, measured: the input of the planner (planner.h), kept
 // apart from it so that the search can run on costs written by hand (tests) or loaded.
 //
-// For each candidate precision, the whole plain chain runs first at half the batch (three
+// For each candidate precision, the whole plain chain runs first at half the batch (four
 // times: the first run warms allocator and caches; the others add into its gradients, as a
-// step's later micro-batches do), then each block alone (its input detached) at a half
+// step's later micro-batches do, and their median is the time), then each block alone (its input detached) at a half
 // and a quarter of the batch: forward and backward seconds, output bytes, bytes kept for
 // backward, transient peaks with and without grad, whether the next block keeps its input.
 // Bytes at other sizes are fitted linearly; the chain's bytes calibrate the blocks'.
 //
-// Time: the plain chain's forward + backward is measured at half the batch and at the quarter.
+// Time: the plain chain's forward + backward is measured at half the batch and at the quarter,
+// each point the median of three runs as in a step (one statistic for every timed point).
 // Above half, a CPU's time is first guessed by the line through them continued; on other
 // devices the whole batch is estimated from one run recomputing every block (little memory),
 // less the forward that recomputing adds. Elsewhere the line is only a first guess: below the
