@@ -69,6 +69,7 @@ class Stepper:
             self.signal(signal.SIGCONT)
             self.signal(signal.SIGKILL)
             self.proc.wait()
+        self.log.close()
 
 
 def run_lockstep(commands, turns, steps_per_turn, skip=1, warmup_steps=2, log_dir="/tmp", on_turn=None):
@@ -106,6 +107,14 @@ def turn_medians(samples):
     return [[statistics.median(turn) for turn in per_command] for per_command in samples]
 
 
+def quartiles(values):
+    """The lower and upper quartile (both the value itself when there is one)."""
+    if len(values) < 2:
+        return values[0], values[0]
+    q = statistics.quantiles(values, n=4)
+    return q[0], q[2]
+
+
 def ratio_by_turn(a, b):
     """Turn-by-turn ratios of two commands' turn medians, and their median."""
     ratios = [x / y for x, y in zip(a, b)]
@@ -127,8 +136,8 @@ def main():
     medians = turn_medians(samples)
     for i, c in enumerate(a.commands):
         ratio, each = ratio_by_turn(medians[i], medians[0])
-        q = statistics.quantiles(each, n=4) if len(each) > 1 else [ratio, ratio, ratio]
-        print("%.4f s  x%.3f (turns: quartiles %.3f-%.3f)  %s" % (statistics.median(medians[i]), ratio, q[0], q[2], c))
+        low, high = quartiles(each)
+        print("%.4f s  x%.3f (turns: quartiles %.3f-%.3f)  %s" % (statistics.median(medians[i]), ratio, low, high, c))
 
 
 if __name__ == "__main__":

@@ -36,7 +36,7 @@ import subprocess
 import sys
 import tempfile
 
-from lockstep import run_lockstep, turn_medians
+from lockstep import quartiles, run_lockstep, turn_medians
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 SHARES = (90, 70, 50, 35)
@@ -173,8 +173,8 @@ def print_table(a, eager, rows):
         per_turn = [m / t for m, t in zip(d["memfit"], d["twin"][best])]
         ratio = statistics.median(per_turn)
         goal = 0.95 if "ckpt_seq" in best else 1.02
-        q = statistics.quantiles(per_turn, n=4) if len(per_turn) > 1 else [ratio, ratio, ratio]
-        each = f"{q[0]:.3f}-{q[2]:.3f}"
+        low, high = quartiles(per_turn)
+        each = f"{low:.3f}-{high:.3f}"
         lines.append(f"| {r['share']}% | {mode} | {best}" + (f" ({others})" if others else "") +
                      f" | {medians[best]:.3f} | {describe(r['config'])} | {statistics.median(d['memfit']):.3f} | "
                      f"{ratio:.3f}x ({each}) | {'met' if ratio <= goal else 'not met'} (<= {goal}) |")

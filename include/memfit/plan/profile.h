@@ -3,9 +3,10 @@
 //
 // For each candidate precision, the whole plain chain runs first at half the batch (four
 // times: the first run warms allocator and caches; the others add into its gradients, as a
-// step's later micro-batches do, and their median is the time), then each block alone (its input detached) at a half
-// and a quarter of the batch: forward and backward seconds, output bytes, bytes kept for
-// backward, transient peaks with and without grad, whether the next block keeps its input.
+// step's later micro-batches do, and their median is the time), then each block alone (its
+// input detached) at a half and a quarter of the batch: forward and backward seconds, output
+// bytes, bytes kept for backward, transient peaks with and without grad, whether the next
+// block keeps its input.
 // Bytes at other sizes are fitted linearly; the chain's bytes calibrate the blocks'.
 //
 // Time: the plain chain's forward + backward is measured at half the batch and at the quarter,
