@@ -3,6 +3,7 @@
 #include <gtest/gtest.h>
 
 #include <algorithm>
+#include <functional>
 
 #include "memfit/memfit.h"
 
@@ -55,6 +56,15 @@ PlanRequest hand_request() {
   r.optimizer.state_bytes = 2 * 4 * 40000;  // as AdamW would keep
   r.optimizer.step_bytes = 2 * 40000;
   return r;
+}
+
+// A ChainTimer from each size's true seconds (the reference ignored: these are no measurements).
+ChainTimer each_size(const std::function<double(Precision, int64_t)>& seconds) {
+  return [seconds](Precision precision, const std::vector<int64_t>& sizes, const ChainSeconds&) {
+    std::vector<double> out;
+    for (int64_t m : sizes) out.push_back(seconds(precision, m));
+    return out;
+  };
 }
 
 // Every schedule of n blocks: each way to cut the chain into plain blocks and segments.
@@ -115,11 +125,12 @@ TEST(PlanSearchTest, MicroBatchesBelowTheProfiledSizesAreTimedWhenAPlanWouldRunT
   w.precisions.front().chain_seconds = {{2, 0.02}, {4, 0.04}, {8, 0.08}};  // 1 not timed; guessed 0.01
   const Plan plain = Planner(w, hand_request()).plan(int64_t{1} << 40);
   std::vector<int64_t> timed;
-  const auto timer = [&](Precision precision, int64_t m) {
+  const auto timer = each_size([&](Precision precision, int64_t m) {
     EXPECT_EQ(precision, Precision::kFP32);
     timed.push_back(m);
     return 0.5;  // a micro-batch of 1 is far slower than any line through 2, 4 and 8 says
-  };
+
+  });
   // Ample budget: 1 x 8 is guessed as fast as 8 x 1 (the line through 2, 4 and 8 meets zero),
   // a rival: timed, far slower, and the plan stays 8.
   Planner ample(w, hand_request());
@@ -161,10 +172,11 @@ TEST(PlanSearchTest, TheWholeBatchIsTimedBeforeAPlanRunsIt) {
   Planner planner(w, hand_request());
   ASSERT_EQ(planner.plan(int64_t{1} << 40).config.micro_batch_size(), 8);
   std::vector<int64_t> timed;
-  const auto timer = [&](Precision, int64_t m) {
+  const auto timer = each_size([&](Precision, int64_t m) {
     timed.push_back(m);
     return 0.2;  // measured: the whole batch is slower than two halves
-  };
+
+  });
   int count = 0;
   const Plan plan = plan_timing_as_needed(planner, int64_t{1} << 40, timer, &count);
   EXPECT_EQ(timed, std::vector<int64_t>{8});
@@ -186,15 +198,44 @@ TEST(PlanSearchTest, RivalsPredictedCloseToThePlanAreTimedToo) {
   const Plan guessed = planner.plan(int64_t{1} << 40);
   ASSERT_EQ(guessed.config.micro_batch_size(), 2);
   std::vector<int64_t> timed;
-  const auto timer = [&](Precision, int64_t m) {
+  const auto timer = each_size([&](Precision, int64_t m) {
     timed.push_back(m);
     return m == 8 ? 0.06 : 0.2;  // the whole batch is the fastest; single samples the slowest
-  };
+
+  });
   const Plan plan = plan_timing_as_needed(planner, int64_t{1} << 40, timer);
   std::sort(timed.begin(), timed.end());
   EXPECT_EQ(timed, (std::vector<int64_t>{1, 8}));
   EXPECT_EQ(plan.config.micro_batch_size(), 8);
   EXPECT_NEAR(plan.predicted_seconds, 0.06 + hand_request().optimizer.seconds, 1e-9);
+}
+
+// Above the timed sizes the guess is the line continued, the least certain: a rival there is
+// timed when predicted within kExtrapolatedRivalSlack (25%), not only kRivalSlack (10%). Each
+// precision's sizes are timed beside its smaller profiled size, the reference.
+TEST(PlanSearchTest, RivalsAboveTheTimedSizesAreTimedWithinAWiderSlack) {
+  WorkloadProfile w = hand_workload();
+  // Guesses: 2 x 4 0.072 (timed), 1 x 8 0.072, 4 x 2 0.080 (timed), 8 x 1 0.084: 17% slower
+  // than the plan, above the timed sizes.
+  w.precisions.front().chain_seconds = {{2, 0.018}, {4, 0.040}};
+  Planner planner(w, hand_request());
+  ASSERT_NEAR(planner.evaluate(8, Precision::kFP32, CheckpointPlan::none(), int64_t{1} << 40).predicted_seconds,
+              1.17 * planner.plan(int64_t{1} << 40).predicted_seconds, 0.01);
+  std::vector<int64_t> timed;
+  const auto timer = [&](Precision, const std::vector<int64_t>& sizes, const ChainSeconds& reference) {
+    EXPECT_EQ(reference.micro_batch, 2);  // hand_profile's smaller profiled size
+    EXPECT_EQ(reference.seconds, 0.018);
+    std::vector<double> out;
+    for (int64_t m : sizes) {
+      timed.push_back(m);
+      out.push_back(m == 8 ? 0.06 : 0.2);  // the whole batch is the fastest
+    }
+    return out;
+  };
+  const Plan plan = plan_timing_as_needed(planner, int64_t{1} << 40, timer);
+  std::sort(timed.begin(), timed.end());
+  EXPECT_EQ(timed, (std::vector<int64_t>{1, 8}));
+  EXPECT_EQ(plan.config.micro_batch_size(), 8);
 }
 
 TEST(PlanSearchTest, FloorIsTheSmallestBudgetThatPlans) {

@@ -173,8 +173,9 @@ int run_plan_command(WorkloadFlags& wf, const StepFlags& sf, const PlanFlags& f)
   Planner planner = measure_and_plan(w, batch, precisions, request, *tracker, {}, profile_cache_options(sf), &source);
   const auto t1 = std::chrono::steady_clock::now();
   int timed = 0;
-  Plan plan = plan_timing_as_needed(planner, 0, [&](Precision precision, int64_t m) {
-    return time_plain_chain(w, batch, precision, m, *tracker);
+  Plan plan = plan_timing_as_needed(planner, 0, [&](Precision precision, const std::vector<int64_t>& sizes,
+                                                     const ChainSeconds& reference) {
+    return time_plain_chain(w, batch, precision, sizes, reference, *tracker);
   }, &timed);
   const double solve_s = seconds_since(t1);
   if (timed > 0) store_costs(source, planner.measured_costs());  // the cache keeps the sizes timed

@@ -99,7 +99,8 @@ std::vector<int64_t> Planner::untimed_sizes(const Plan& plan) const {
   return sizes;
 }
 
-std::vector<std::pair<Precision, int64_t>> Planner::untimed_rival_sizes(const Plan& plan, double slack) const {
+std::vector<std::pair<Precision, int64_t>> Planner::untimed_rival_sizes(const Plan& plan, double slack,
+                                                                       double extrapolated_slack) const {
   std::vector<std::pair<Precision, int64_t>> out;
   const auto add = [&out, this](const Plan& p) {
     for (int64_t m : untimed_sizes(p)) {
@@ -112,9 +113,11 @@ std::vector<std::pair<Precision, int64_t>> Planner::untimed_rival_sizes(const Pl
   const auto usable = static_cast<int64_t>(static_cast<double>(plan.budget_bytes) * (1.0 - request_.margin));
   const OptimizerCost& optimizer = optimizer_cost(plan.config.optimizer.state);
   for (const auto& pp : profile_.precisions) {
+    const int64_t largest_timed = pp.chain_seconds.empty() ? 0 : pp.chain_seconds.back().micro_batch;
     for (int64_t m : candidate_sizes()) {
       const Plan rival = best_plan_at(m, pp, optimizer, usable);
-      if (rival.feasible && rival.predicted_seconds <= (1.0 + slack) * plan.predicted_seconds) add(rival);
+      const double allowed = m > largest_timed ? extrapolated_slack : slack;
+      if (rival.feasible && rival.predicted_seconds <= (1.0 + allowed) * plan.predicted_seconds) add(rival);
     }
   }
   return out;
@@ -133,13 +136,30 @@ void Planner::add_chain_seconds(Precision precision, int64_t m, double seconds) 
   }
 }
 
+ChainSeconds Planner::timing_reference(Precision precision) const {
+  const PrecisionProfile& p = precision_profile(precision);
+  TORCH_CHECK(!p.chain_seconds.empty(), "memfit::Planner: a precision profile without chain times");
+  for (const auto& c : p.chain_seconds) {
+    if (c.micro_batch == p.small.micro_batch) return c;
+  }
+  return p.chain_seconds.front();
+}
+
 Plan plan_timing_as_needed(Planner& planner, int64_t budget_bytes, const ChainTimer& time_chain, int* timed) {
   int count = 0;
   Plan plan = planner.plan(budget_bytes);
   // Each round times at least one size: the sizes a plan can run are finite.
-  for (auto sizes = planner.untimed_rival_sizes(plan, kRivalSlack); !sizes.empty() && time_chain;
-       sizes = planner.untimed_rival_sizes(plan, kRivalSlack)) {
-    for (const auto& [precision, m] : sizes) planner.add_chain_seconds(precision, m, time_chain(precision, m));
+  const auto untimed = [&] { return planner.untimed_rival_sizes(plan, kRivalSlack, kExtrapolatedRivalSlack); };
+  for (auto sizes = untimed(); !sizes.empty() && time_chain; sizes = untimed()) {
+    for (const auto& profile : planner.profile().precisions) {  // each precision's sizes timed together
+      std::vector<int64_t> ms;
+      for (const auto& [precision, m] : sizes) {
+        if (precision == profile.precision) ms.push_back(m);
+      }
+      if (ms.empty()) continue;
+      const std::vector<double> seconds = time_chain(profile.precision, ms, planner.timing_reference(profile.precision));
+      for (size_t i = 0; i < ms.size(); ++i) planner.add_chain_seconds(profile.precision, ms[i], seconds[i]);
+    }
     count += static_cast<int>(sizes.size());
     plan = planner.plan(budget_bytes);
   }

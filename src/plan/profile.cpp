@@ -3,6 +3,7 @@
 #include <torch/torch.h>
 
 #include <algorithm>
+#include <array>
 #include <chrono>
 #include <limits>
 
@@ -41,6 +42,13 @@ struct ChainRun {
     return s;
   }
   void release_gradients() { zero_grad(workload.chain->parameters(), true); }
+  // Zero gradients where there are none: what a step's later micro-batches add into, made
+  // without a run.
+  void ensure_gradients() {
+    for (auto& p : workload.chain->parameters()) {
+      if (p.requires_grad() && !p.grad().defined()) p.mutable_grad() = at::zeros_like(p);
+    }
+  }
   // Without gradients, as a step's first (or only) micro-batch: its peak is the calibration's.
   double fresh(int64_t m, int64_t* peak = nullptr) {
     release_gradients();
@@ -53,11 +61,22 @@ struct ChainRun {
   // is. Every timed point takes this one statistic: a fastest-of-two point beside medians
   // looked faster than its neighbours on a machine whose noise only slows runs, and plans
   // drifted to its size (half the batch in every bf16 plan of the default GPT, session 8).
-  double median_of_three_warm(int64_t m) {
-    double t[3] = {as_in_a_step(m), as_in_a_step(m), as_in_a_step(m)};
+  double median_of_three_warm(int64_t m) { return medians_of_three_alternating({m})[0]; }
+  // The same for several sizes, each having run before, their runs alternating: a burst of
+  // slowness (seconds long on the 2-core machines here) then falls on every size alike, not on
+  // one, and the plan compares sizes by these times.
+  std::vector<double> medians_of_three_alternating(const std::vector<int64_t>& sizes) {
+    std::vector<std::array<double, 3>> t(sizes.size());
+    for (size_t k = 0; k < 3; ++k) {
+      for (size_t i = 0; i < sizes.size(); ++i) t[i][k] = as_in_a_step(sizes[i]);
+    }
     release_gradients();
-    std::sort(t, t + 3);
-    return t[1];
+    std::vector<double> medians;
+    for (auto& runs : t) {
+      std::sort(runs.begin(), runs.end());
+      medians.push_back(runs[1]);
+    }
+    return medians;
   }
   // The same after a first run of its own.
   double median_of_three(int64_t m) {
@@ -74,18 +93,21 @@ std::pair<int64_t, int64_t> profiled_sizes(int64_t batch) {
   return {a, b};
 }
 
-// The time model's points at a and b (see profile.h), b timed already: a runs four times (first
-// use, then the median of three as in a step).
+// The time model's points at a and b (see profile.h), both having run before (b first): the
+// median of three runs as in a step each, alternating.
 // Above b, a CPU's time starts as the line continued: a first guess, timed when a plan would
 // run such a size (the planner's plan_timing_as_needed). Elsewhere (a GPU's occupancy bends
 // the line) the whole batch runs once with every block recomputed (little memory), and the
 // forward without grad that recomputing adds (its share measured on the blocks at b) is taken
 // out again.
-void time_chain(ChainRun& run, int64_t B, double plain_b, PrecisionProfile& pp) {
+void time_chain(ChainRun& run, int64_t B, PrecisionProfile& pp) {
   const int64_t a = pp.small.micro_batch, b = pp.large.micro_batch;
-  pp.chain_seconds = {{b, plain_b}};
   if (a < b) {
-    pp.chain_seconds.insert(pp.chain_seconds.begin(), {a, run.median_of_three(a)});
+    run.ensure_gradients();  // a and b ran before (profile_chain): no first use left to pay
+    const auto t = run.medians_of_three_alternating({a, b});
+    pp.chain_seconds = {{a, t[0]}, {b, t[1]}};
+  } else {
+    pp.chain_seconds = {{b, run.median_of_three_warm(b)}};
   }
   if (B > b && run.batch.input.device().type() != c10::kCPU) {
     double blocks = 0;
@@ -217,10 +239,9 @@ PrecisionProfile profile_precision(Workload& w, const Batch& batch, Precision pr
   ChainRun run{w, batch, tracker, StepOptions{config}};
   int64_t measured = 0;
   run.fresh(b, &measured);  // first use of this size (and of the chain); its peak calibrates
-  const double plain_b = run.median_of_three_warm(b);
   pp.large = profile_chain(w, batch, b, precision, tracker);
   pp.small = b > a ? profile_chain(w, batch, a, precision, tracker) : pp.large;
-  time_chain(run, batch.size(), plain_b, pp);
+  time_chain(run, batch.size(), pp);
   calibrate(pp, measured);
   return pp;
 }
@@ -254,20 +275,33 @@ WorkloadProfile profile_workload(Workload& w, const Batch& batch, const std::vec
   return profile;
 }
 
-double time_plain_chain(Workload& w, const Batch& batch, Precision precision, int64_t m, MemoryTracker& tracker) {
+std::vector<double> time_plain_chain(Workload& w, const Batch& batch, Precision precision,
+                                     const std::vector<int64_t>& sizes, const ChainSeconds& reference,
+                                     MemoryTracker& tracker) {
   const RngState rng = capture_rng(batch.input.device());  // dropout draws
   StepConfig config;
   config.precision = precision;
   ChainRun run{w, batch, tracker, StepOptions{config}};
-  double seconds = 0;
+  std::vector<int64_t> all = sizes;
+  all.push_back(reference.micro_batch);
+  const auto first_uses_then_medians = [&] {
+    for (int64_t m : all) run.fresh(m);  // first use of each size (the profile may come from a cache)
+    return run.medians_of_three_alternating(all);
+  };
+  std::vector<double> seconds;
   try {
-    seconds = run.median_of_three(m);
+    seconds = first_uses_then_medians();
   } catch (const c10::OutOfMemoryError&) {
     zero_grad(w.chain->parameters(), true);  // the failed run's partial gradients
     run.options.config.checkpoint = CheckpointPlan::all(w.chain->size());
-    seconds = run.median_of_three(m);
+    seconds = first_uses_then_medians();
   }
   restore_rng(rng);
+  // On the reference's scale: the machine's speed now against when the reference was timed
+  // drops out, and only the ratio measured side by side remains.
+  const double scale = reference.seconds / seconds.back();
+  seconds.pop_back();
+  for (double& s : seconds) s *= scale;
   return seconds;
 }
 

@@ -315,10 +315,10 @@ ChainTimer Trainer::chain_timer() {
   // where timing gathers the whole model (a collective the other ranks would not join).
   TrainerState& t = *impl_;
   if (t.sharded_weights()) return {};
-  return [this](Precision precision, int64_t m) {
+  return [this](Precision precision, const std::vector<int64_t>& sizes, const ChainSeconds& reference) {
     TrainerState& t = *impl_;
     const Batch first = t.w.data->train_batch(t.start_step, t.o.batch, t.w.seed).slice(t.local.start, t.local.length).to(t.o.device);
-    return time_plain_chain(t.w, first, precision, m, *t.tracker);
+    return time_plain_chain(t.w, first, precision, sizes, reference, *t.tracker);
   };
 }
 

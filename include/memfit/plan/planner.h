@@ -76,10 +76,13 @@ nlohmann::json plan_json(const Plan& plan);
 Plan plan_from_json(const nlohmann::json& json, int blocks);
 
 class Planner;
-// Seconds of the plain chain at a precision and micro-batch size (profile.h's time_plain_chain).
-using ChainTimer = std::function<double(Precision precision, int64_t micro_batch)>;
+// Seconds of the plain chain at a precision for each of `sizes`, on the scale of `reference`, a
+// size timed before (profile.h's time_plain_chain).
+using ChainTimer = std::function<std::vector<double>(Precision precision, const std::vector<int64_t>& sizes,
+                                                     const ChainSeconds& reference)>;
 // Plans for `budget_bytes` (0: the request's); while the plan, or a rival predicted within
-// kRivalSlack of it, runs micro-batches that its precision's chain was not timed at, times them with `time_chain`, adds them to the
+// kRivalSlack of it (kExtrapolatedRivalSlack above the timed sizes), runs micro-batches that
+// its precision's chain was not timed at, times them with `time_chain`, adds them to the
 // planner's profile and plans again (each size timed once). Returns the plan; *timed counts
 // the sizes timed (the caller may store the grown profile).
 Plan plan_timing_as_needed(Planner& planner, int64_t budget_bytes, const ChainTimer& time_chain, int* timed = nullptr);
@@ -87,6 +90,11 @@ Plan plan_timing_as_needed(Planner& planner, int64_t budget_bytes, const ChainTi
 // timed too: a guess can be off either way (GPT 6x192 bf16: the whole batch of 24, guessed
 // slower than 6 x 4, ran 9% faster).
 constexpr double kRivalSlack = 0.10;
+// The same for a rival whose micro-batch is above every size its precision's chain was timed
+// at: there the guess is the line continued, which errs most (GPT 8x256 bf16: the whole batch
+// guessed 5% slower than measured, 1.506 s against 1.429; a burst of slowness on the half
+// batch's runs tilts the line further, and 4 x 4 was planned where 16 x 1 ran 7% faster).
+constexpr double kExtrapolatedRivalSlack = 0.25;
 
 class Planner {
  public:
@@ -115,10 +123,15 @@ class Planner {
   // misses per-call costs below them and cache effects above them).
   std::vector<int64_t> untimed_sizes(const Plan& plan) const;
   // The untimed sizes (with their precision) of `plan` and of each precision's best plan at
-  // each micro-batch size that fits plan.budget_bytes and is predicted within `slack` of it.
-  std::vector<std::pair<Precision, int64_t>> untimed_rival_sizes(const Plan& plan, double slack) const;
+  // each micro-batch size that fits plan.budget_bytes and is predicted within `slack` of it
+  // (`extrapolated_slack` above the precision's largest timed size).
+  std::vector<std::pair<Precision, int64_t>> untimed_rival_sizes(const Plan& plan, double slack,
+                                                                 double extrapolated_slack) const;
   // Adds a timed point to a precision's time model (time_plain_chain in profile.h).
   void add_chain_seconds(Precision precision, int64_t micro_batch, double seconds);
+  // What sizes timed later are timed beside: the precision's smaller profiled size (timed in
+  // every profile, and cheap), or its first timed point.
+  ChainSeconds timing_reference(Precision precision) const;
   const PlanRequest& request() const { return request_; }
 
  private:

@@ -76,13 +76,17 @@ WorkloadProfile profile_workload(Workload& workload, const Batch& batch, const s
 ChainProfile profile_chain(Workload& workload, const Batch& batch, int64_t micro_batch, Precision precision,
                            MemoryTracker& tracker);
 
-// Seconds of the plain chain's forward + backward on the first `micro_batch` samples of
-// `batch` at `precision`: the median of three runs (a first run paying for first use and a
-// neighbour's burst both left out). Where the plain chain runs out of memory (a device's real
-// memory), the chain with every block recomputed is timed instead: an upper bound. The
+// Seconds of the plain chain's forward + backward on the first m samples of `batch` at
+// `precision`, for each m of `sizes`: each size's median of three runs as in a step (after a
+// first run paying for first use), the runs alternating with a `reference` size timed before,
+// and each median scaled by the reference's seconds over its median now. So a size timed
+// later is put beside the earlier ones by a ratio measured seconds apart (this machine's speed
+// drifts 2x over minutes). Where the plain chain runs out of memory (a device's real memory),
+// every block is recomputed in all these runs: the ratio then stands in for the plain one. The
 // caller's random stream is left as it was.
-double time_plain_chain(Workload& workload, const Batch& batch, Precision precision, int64_t micro_batch,
-                        MemoryTracker& tracker);
+std::vector<double> time_plain_chain(Workload& workload, const Batch& batch, Precision precision,
+                                     const std::vector<int64_t>& sizes, const ChainSeconds& reference,
+                                     MemoryTracker& tracker);
 
 // The blocks' costs at micro-batch m: bytes fitted linearly between the two profiled sizes and
 // calibrated, seconds fitted (not below the smaller size's); no fixed bytes, seconds not yet
