@@ -1,25 +1,27 @@
 // profile.h — what a workload costs, measured: the input of the planner (planner.h), kept
 // apart from it so that the search can run on costs written by hand (tests) or loaded.
 //
-// For each candidate precision, the whole plain chain runs first at half the batch (four
-// times: the first run warms allocator and caches; the others add into its gradients, as a
-// step's later micro-batches do, and their median is the time), then each block alone (its
-// input detached) at a half and a quarter of the batch: forward and backward seconds, output
-// bytes, bytes kept for backward, transient peaks with and without grad, whether the next
-// block keeps its input.
+// For each candidate precision, the whole plain chain runs once at half the batch (its peak
+// calibrates the blocks' bytes; the run warms allocator and caches), then each block alone
+// (its input detached) at a half and a quarter of the batch: forward and backward seconds,
+// output bytes, bytes kept for backward, transient peaks with and without grad, whether the
+// next block keeps its input.
 // Bytes at other sizes are fitted linearly; the chain's bytes calibrate the blocks'.
 //
 // Time: the plain chain's forward + backward is measured at half the batch and at the quarter,
-// each point the median of three runs as in a step (one statistic for every timed point).
-// Above half, a CPU's time is first guessed by the line through them continued; on other
-// devices the whole batch is estimated from one run recomputing every block (little memory),
-// less the forward that recomputing adds. Elsewhere the line is only a first guess: below the
-// quarter fixed per-call costs make small micro-batches slower than any line says, and above
-// it caches make larger ones slower per sample on some machines (GPT 6x192 on a 2-core Xeon:
-// 24 samples 13% slower per sample than 12). So every size that a plan, or a rival predicted
-// close to it, would run and that was not measured is timed before the plan is taken (plan_timing_as_needed in planner.h,
-// time_plain_chain here). Those points are the time model; the blocks' seconds only divide a
-// point's time among blocks.
+// three runs of each as in a step (adding into gradients, as a step's later micro-batches do),
+// alternating, each point the median of its three (one statistic for every timed point; the
+// alternation puts a burst of slowness on both sizes, not one). Above half, a CPU's time is
+// first guessed by the line through them continued; on other devices the whole batch is
+// estimated from one run recomputing every block (little memory), less the forward that
+// recomputing adds. Elsewhere the line is only a first guess: below the quarter fixed
+// per-call costs make small micro-batches slower than any line says, and above it caches make
+// larger ones slower per sample on some machines (GPT 6x192 on a 2-core Xeon: 24 samples 13%
+// slower per sample than 12), or faster (GPT 8x256 bf16: 16 samples 6% faster than 8). So
+// every size that a plan, or a rival predicted close to it, would run and that was not
+// measured is timed before the plan is taken (plan_timing_as_needed in planner.h,
+// time_plain_chain here), beside the quarter, whose earlier time sets the scale. Those points
+// are the time model; the blocks' seconds only divide a point's time among blocks.
 //
 #pragma once
 
