@@ -56,15 +56,12 @@ struct ChainRun {
   }
   // One run as a step runs m: accumulating, unless m is the whole batch.
   double as_in_a_step(int64_t m) { return m < batch.size() ? (*this)(m) : fresh(m); }
-  // The median of three runs as in a step, m having run before (the first run at a new size
-  // pays for first use: oneDNN builds kernels per shape): a typical run's, as a step's median
-  // is. Every timed point takes this one statistic: a fastest-of-two point beside medians
-  // looked faster than its neighbours on a machine whose noise only slows runs, and plans
-  // drifted to its size (half the batch in every bf16 plan of the default GPT, session 8).
-  double median_of_three_warm(int64_t m) { return medians_of_three_alternating({m})[0]; }
-  // The same for several sizes, each having run before, their runs alternating: a burst of
-  // slowness (seconds long on the 2-core machines here) then falls on every size alike, not on
-  // one, and the plan compares sizes by these times.
+  // The median of three runs as in a step of each size, each having run before (the first run
+  // at a new size pays for first use: oneDNN builds kernels per shape), their runs alternating:
+  // a typical run's time, as a step's median is, and a burst of slowness (seconds long on the
+  // 2-core machines here) falls on every size alike, not on one. Every timed point takes this
+  // one statistic: a fastest-of-two point beside medians looked faster than its neighbours on a
+  // machine whose noise only slows runs, and plans drifted to its size (session 8).
   std::vector<double> medians_of_three_alternating(const std::vector<int64_t>& sizes) {
     std::vector<std::array<double, 3>> t(sizes.size());
     for (size_t k = 0; k < 3; ++k) {
@@ -77,11 +74,6 @@ struct ChainRun {
       medians.push_back(runs[1]);
     }
     return medians;
-  }
-  // The same after a first run of its own.
-  double median_of_three(int64_t m) {
-    fresh(m);
-    return median_of_three_warm(m);
   }
 };
 
@@ -102,13 +94,11 @@ std::pair<int64_t, int64_t> profiled_sizes(int64_t batch) {
 // out again.
 void time_chain(ChainRun& run, int64_t B, PrecisionProfile& pp) {
   const int64_t a = pp.small.micro_batch, b = pp.large.micro_batch;
-  if (a < b) {
-    run.ensure_gradients();  // a and b ran before (profile_chain): no first use left to pay
-    const auto t = run.medians_of_three_alternating({a, b});
-    pp.chain_seconds = {{a, t[0]}, {b, t[1]}};
-  } else {
-    pp.chain_seconds = {{b, run.median_of_three_warm(b)}};
-  }
+  const std::vector<int64_t> sizes = a < b ? std::vector<int64_t>{a, b} : std::vector<int64_t>{b};
+  run.ensure_gradients();  // a and b ran before (profile_chain): no first use left to pay
+  const auto t = run.medians_of_three_alternating(sizes);
+  pp.chain_seconds.clear();
+  for (size_t i = 0; i < sizes.size(); ++i) pp.chain_seconds.push_back({sizes[i], t[i]});
   if (B > b && run.batch.input.device().type() != c10::kCPU) {
     double blocks = 0;
     for (const auto& c : pp.large.blocks) blocks += c.forward_seconds + c.backward_seconds;
