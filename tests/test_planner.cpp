@@ -63,6 +63,37 @@ TEST(PlannerTest, CnnBudgetsHoldAndPredictionsAreClose) {
   check_budgets(m, 16);
 }
 
+// Wherever a checkpointed segment lies, its predicted peak holds when run. A segment next to
+// the head recomputes while the step's memory is at its highest, so whatever the recompute
+// holds besides its blocks' activations (its output, the gradient that arrived) shows there.
+TEST(PlannerTest, EverySegmentPlacementIsPredictedClosely) {
+  test::use_memfit_allocator();
+  auto tracker = std::make_shared<MemoryTracker>();
+  TrackerScope scope(tracker);
+  ModelOptions m;
+  m.model = "cnn";
+  m.cnn.blocks = 5;
+  m.cnn.channels = 8;
+  Workload w = make_workload(m);
+  const Batch data = w.data->train_batch(0, 8, 0);
+  PlanRequest request;
+  request.step.batch = 8;
+  const Planner planner = measure_and_plan(w, data, {Precision::kFP32}, request, *tracker);
+  const int blocks = static_cast<int>(w.chain->size());
+  for (int length = 1; length <= 3; ++length) {
+    for (int first = 0; first + length <= blocks; ++first) {
+      CheckpointPlan checkpoint;
+      checkpoint.segments = {{first, first + length - 1}};
+      Plan plan = planner.evaluate(8, Precision::kFP32, checkpoint, int64_t{1} << 40);
+      Verification v = verify_plan(w, planner, plan, *tracker, /*measure_plain=*/false);
+      const double error = std::abs(static_cast<double>(plan.predicted_peak - v.measured_peak)) /
+                           static_cast<double>(v.measured_peak);
+      EXPECT_LE(error, 0.03) << "recompute " << checkpoint.describe() << ": predicted " << plan.predicted_peak
+                             << " measured " << v.measured_peak;
+    }
+  }
+}
+
 // The small GPT with a batch of 8, made under memfit's allocator and an installed tracker (so
 // every byte is counted): where the planner tests below start.
 struct SmallGptSetup {

@@ -70,11 +70,15 @@ struct Model {
       p = std::max(p, base + grads + delta + kept + b(k).forward_peak);
       kept += b(k).kept_bytes;
     }
+    // Until the segment's backward returns it holds its recomputed output and the gradient that
+    // arrived for it (delta): both alive under every block's backward, besides the gradient
+    // of that block's own output (which is delta itself for the last block).
     int64_t below = kept;
     for (int k = u.last; k >= u.first; --k) {
       below -= b(k).kept_bytes;
       const int64_t g = c.gradients_present ? all_grads() : grads_after[k];
-      p = std::max(p, base + g + b(k).output_bytes + below + internal(k) + b(k).backward_peak);
+      const int64_t held_by_segment = delta + (k < u.last ? delta : 0);
+      p = std::max(p, base + g + held_by_segment + b(k).output_bytes + below + internal(k) + b(k).backward_peak);
     }
     return p;
   }
