@@ -60,7 +60,7 @@ PlanRequest hand_request() {
 
 // A ChainTimer from each size's true seconds (the reference ignored: these are no measurements).
 ChainTimer each_size(const std::function<double(Precision, int64_t)>& seconds) {
-  return [seconds](Precision precision, const std::vector<int64_t>& sizes, const ChainSeconds&) {
+  return [seconds](Precision precision, const std::vector<int64_t>& sizes, const TimingReference&) {
     std::vector<double> out;
     for (int64_t m : sizes) out.push_back(seconds(precision, m));
     return out;
@@ -222,9 +222,10 @@ TEST(PlanSearchTest, RivalsAboveTheTimedSizesAreTimedWithinAWiderSlack) {
   ASSERT_NEAR(planner.evaluate(8, Precision::kFP32, CheckpointPlan::none(), int64_t{1} << 40).predicted_seconds,
               1.17 * planner.plan(int64_t{1} << 40).predicted_seconds, 0.01);
   std::vector<int64_t> timed;
-  const auto timer = [&](Precision, const std::vector<int64_t>& sizes, const ChainSeconds& reference) {
-    EXPECT_EQ(reference.micro_batch, 2);  // hand_profile's smaller profiled size
-    EXPECT_EQ(reference.seconds, 0.018);
+  const auto timer = [&](Precision, const std::vector<int64_t>& sizes, const TimingReference& reference) {
+    EXPECT_EQ(reference.precision, Precision::kFP32);
+    EXPECT_EQ(reference.point.micro_batch, 2);  // hand_profile's smaller profiled size
+    EXPECT_EQ(reference.point.seconds, 0.018);
     std::vector<double> out;
     for (int64_t m : sizes) {
       timed.push_back(m);
@@ -236,6 +237,47 @@ TEST(PlanSearchTest, RivalsAboveTheTimedSizesAreTimedWithinAWiderSlack) {
   std::sort(timed.begin(), timed.end());
   EXPECT_EQ(timed, (std::vector<int64_t>{1, 8}));
   EXPECT_EQ(plan.config.micro_batch_size(), 8);
+}
+
+// Only the precision whose blocks ran fastest is timed in the profile; another is guessed as
+// the timed one's chain scaled by the blocks' ratio, and timed (its profiled sizes and the
+// plan's, beside the timed precision's reference) only when its plans come close.
+TEST(PlanSearchTest, APrecisionNotTimedIsGuessedFromItsBlocksAndTimedWhenItComesClose) {
+  WorkloadProfile w = hand_workload();  // fp32 timed: 8 x 1 takes 0.09 s
+  w.precisions.push_back(hand_profile(Precision::kBF16, 0.5));
+  w.precisions.back().chain_seconds.clear();  // its blocks take half fp32's: guessed 0.045 s
+  std::vector<std::pair<Precision, int64_t>> timed;
+  const auto timer = [&](Precision precision, const std::vector<int64_t>& sizes, const TimingReference& reference) {
+    EXPECT_EQ(reference.precision, Precision::kFP32);  // bf16 has no point of its own yet
+    EXPECT_EQ(reference.point.micro_batch, 2);
+    std::vector<double> out;
+    for (int64_t m : sizes) {
+      timed.emplace_back(precision, m);
+      out.push_back(0.2 * static_cast<double>(m));  // measured: far slower than fp32
+    }
+    return out;
+  };
+  Planner planner(w, hand_request());
+  const Plan guessed = planner.plan(int64_t{1} << 40);
+  ASSERT_EQ(guessed.config.precision, Precision::kBF16);
+  EXPECT_NEAR(guessed.predicted_seconds - hand_request().optimizer.seconds, 0.045, 1e-9);
+  int count = 0;
+  const Plan plan = plan_timing_as_needed(planner, int64_t{1} << 40, timer, &count);
+  using P = std::pair<Precision, int64_t>;
+  EXPECT_EQ(timed, (std::vector<P>{{Precision::kBF16, 2}, {Precision::kBF16, 4}, {Precision::kBF16, 8}}));
+  EXPECT_EQ(count, 3);
+  EXPECT_EQ(plan.config.precision, Precision::kFP32);
+  // Blocks twice as slow as fp32's: guessed 0.18 s, no rival; never timed.
+  WorkloadProfile slow = hand_workload();
+  slow.precisions.push_back(hand_profile(Precision::kBF16, 2.0));
+  slow.precisions.back().chain_seconds.clear();
+  timed.clear();
+  Planner fp32_wins(slow, hand_request());
+  EXPECT_EQ(plan_timing_as_needed(fp32_wins, int64_t{1} << 40, timer).config.precision, Precision::kFP32);
+  EXPECT_TRUE(timed.empty());
+  // A profile with no precision timed cannot plan.
+  slow.precisions.front().chain_seconds.clear();
+  EXPECT_THROW(Planner(slow, hand_request()), c10::Error);
 }
 
 TEST(PlanSearchTest, FloorIsTheSmallestBudgetThatPlans) {

@@ -174,7 +174,7 @@ int run_plan_command(WorkloadFlags& wf, const StepFlags& sf, const PlanFlags& f)
   const auto t1 = std::chrono::steady_clock::now();
   int timed = 0;
   Plan plan = plan_timing_as_needed(planner, 0, [&](Precision precision, const std::vector<int64_t>& sizes,
-                                                     const ChainSeconds& reference) {
+                                                     const TimingReference& reference) {
     return time_plain_chain(w, batch, precision, sizes, reference, *tracker);
   }, &timed);
   const double solve_s = seconds_since(t1);

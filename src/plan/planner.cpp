@@ -32,6 +32,9 @@ Planner::Planner(WorkloadProfile profile, PlanRequest request) : profile_(std::m
   check_option(request_.step.micro_batch >= 0 && request_.step.micro_batch <= B, "micro_batch", request_.step.micro_batch,
                "expected 0 (searched) or 1 to batch (" + std::to_string(B) + ")");
   TORCH_CHECK(!profile_.precisions.empty(), "memfit::Planner: the profile holds no precision");
+  TORCH_CHECK(std::any_of(profile_.precisions.begin(), profile_.precisions.end(),
+                          [](const PrecisionProfile& p) { return !p.chain_seconds.empty(); }),
+              "memfit::Planner: the profile holds no chain times (expected at least one precision timed)");
 }
 
 const PrecisionProfile& Planner::precision_profile(Precision precision) const {
@@ -66,7 +69,13 @@ double Planner::chain_seconds(int64_t m, const PrecisionProfile& p) const {
   // a negative one is not). Off the measured points the line is a guess: plan_timing_as_needed
   // times such a size when a plan would run it.
   const auto& t = p.chain_seconds;
-  TORCH_CHECK(!t.empty(), "memfit::Planner: a precision profile without chain times");
+  if (t.empty()) {
+    // Not timed yet (profile.h): the timed precision's time, scaled by the blocks' ratio.
+    const PrecisionProfile& timed = timed_precision();
+    const double timed_blocks = block_seconds(timed.large);
+    const double ratio = timed_blocks > 0 ? block_seconds(p.large) / timed_blocks : 1.0;
+    return chain_seconds(m, timed) * ratio;
+  }
   const double proportional = t.front().seconds * static_cast<double>(m) / static_cast<double>(t.front().micro_batch);
   if (t.size() == 1) return proportional;
   size_t hi = 1;  // the first point at or above m (at least the second), or the last
@@ -88,13 +97,16 @@ MeasuredCosts Planner::measured_costs() const {
 std::vector<int64_t> Planner::untimed_sizes(const Plan& plan) const {
   std::vector<int64_t> sizes;
   if (!plan.feasible) return sizes;
-  const auto& t = precision_profile(plan.config.precision).chain_seconds;
+  const PrecisionProfile& p = precision_profile(plan.config.precision);
+  const auto& t = p.chain_seconds;
   const int64_t m = plan.config.micro_batch_size(), rest = profile_.batch % m;
   const auto timed = [&t](int64_t size) {
     return std::any_of(t.begin(), t.end(), [size](const ChainSeconds& c) { return c.micro_batch == size; });
   };
-  for (int64_t size : {m, rest}) {
-    if (size > 0 && !t.empty() && !timed(size)) sizes.push_back(size);
+  std::vector<int64_t> runs{m, rest};
+  if (t.empty()) runs.insert(runs.begin(), {p.small.micro_batch, p.large.micro_batch});
+  for (int64_t size : runs) {
+    if (size > 0 && !timed(size) && std::find(sizes.begin(), sizes.end(), size) == sizes.end()) sizes.push_back(size);
   }
   return sizes;
 }
@@ -136,13 +148,20 @@ void Planner::add_chain_seconds(Precision precision, int64_t m, double seconds) 
   }
 }
 
-ChainSeconds Planner::timing_reference(Precision precision) const {
-  const PrecisionProfile& p = precision_profile(precision);
-  TORCH_CHECK(!p.chain_seconds.empty(), "memfit::Planner: a precision profile without chain times");
-  for (const auto& c : p.chain_seconds) {
-    if (c.micro_batch == p.small.micro_batch) return c;
+const PrecisionProfile& Planner::timed_precision() const {
+  for (const auto& p : profile_.precisions) {
+    if (!p.chain_seconds.empty()) return p;
   }
-  return p.chain_seconds.front();
+  TORCH_CHECK(false, "memfit::Planner: no precision of the profile has chain times");
+}
+
+TimingReference Planner::timing_reference(Precision precision) const {
+  const PrecisionProfile& own = precision_profile(precision);
+  const PrecisionProfile& p = own.chain_seconds.empty() ? timed_precision() : own;
+  for (const auto& c : p.chain_seconds) {
+    if (c.micro_batch == p.small.micro_batch) return {p.precision, c};
+  }
+  return {p.precision, p.chain_seconds.front()};
 }
 
 Plan plan_timing_as_needed(Planner& planner, int64_t budget_bytes, const ChainTimer& time_chain, int* timed) {
@@ -329,15 +348,17 @@ Plan Planner::best_plan_of(const PrecisionProfile& pp, const OptimizerCost& opti
 void Planner::explain_choice(Plan& p, const std::vector<Plan>& best_of) const {
   // Say plainly why this precision, when there was a choice.
   const char* chosen = precision_name(p.config.precision);
-  char buf[160];
+  char buf[224];
   for (const auto& b : best_of) {
     if (b.config.precision == p.config.precision) continue;
     const char* name = precision_name(b.config.precision);
     if (!b.feasible) {
       std::snprintf(buf, sizeof buf, "%s considered: no %s plan fits", name, name);
     } else {
-      std::snprintf(buf, sizeof buf, "%s: its best plan is predicted %.2fx the time of the %s plan chosen", name,
-                    b.predicted_seconds / p.predicted_seconds, chosen);
+      const bool guessed = precision_profile(b.config.precision).chain_seconds.empty();
+      std::snprintf(buf, sizeof buf, "%s: its best plan is predicted %.2fx the time of the %s plan chosen%s", name,
+                    b.predicted_seconds / p.predicted_seconds, chosen,
+                    guessed ? " (guessed from its blocks: not close enough to be timed)" : "");
     }
     p.notes.push_back(buf);
   }

@@ -26,6 +26,12 @@ int64_t storage_bytes(const at::Tensor& t) { return t.defined() ? static_cast<in
 // in place between runs, as between a step's micro-batches: all but a step's first
 // micro-batch add into gradients already there (GPT 8x256 bf16, one sample: 0.080 s against
 // 0.070 s with none), so a micro-batch smaller than the batch is timed accumulating.
+// One size at one precision, as the runs below take it.
+struct RunSize {
+  Precision precision;
+  int64_t micro_batch;
+};
+
 struct ChainRun {
   Workload& workload;
   const Batch& batch;
@@ -55,14 +61,25 @@ struct ChainRun {
     return (*this)(m, peak);
   }
   // One run as a step runs m: accumulating, unless m is the whole batch.
-  double as_in_a_step(int64_t m) { return m < batch.size() ? (*this)(m) : fresh(m); }
+  double as_in_a_step(const RunSize& size) {
+    options.config.precision = size.precision;
+    const int64_t m = size.micro_batch;
+    return m < batch.size() ? (*this)(m) : fresh(m);
+  }
+  // A first run of each size, paying for first use.
+  void first_uses(const std::vector<RunSize>& sizes) {
+    for (const RunSize& size : sizes) {
+      options.config.precision = size.precision;
+      fresh(size.micro_batch);
+    }
+  }
   // The median of three runs as in a step of each size, each having run before (the first run
   // at a new size pays for first use: oneDNN builds kernels per shape), their runs alternating:
   // a typical run's time, as a step's median is, and a burst of slowness (seconds long on the
   // 2-core machines here) falls on every size alike, not on one. Every timed point takes this
   // one statistic: a fastest-of-two point beside medians looked faster than its neighbours on a
   // machine whose noise only slows runs, and plans drifted to its size (session 8).
-  std::vector<double> medians_of_three_alternating(const std::vector<int64_t>& sizes) {
+  std::vector<double> medians_of_three_alternating(const std::vector<RunSize>& sizes) {
     std::vector<std::array<double, 3>> t(sizes.size());
     for (size_t k = 0; k < 3; ++k) {
       for (size_t i = 0; i < sizes.size(); ++i) t[i][k] = as_in_a_step(sizes[i]);
@@ -92,22 +109,32 @@ std::pair<int64_t, int64_t> profiled_sizes(int64_t batch) {
 // the line) the whole batch runs once with every block recomputed (little memory), and the
 // forward without grad that recomputing adds (its share measured on the blocks at b) is taken
 // out again.
-void time_chain(ChainRun& run, int64_t B, PrecisionProfile& pp) {
-  const int64_t a = pp.small.micro_batch, b = pp.large.micro_batch;
-  const std::vector<int64_t> sizes = a < b ? std::vector<int64_t>{a, b} : std::vector<int64_t>{b};
+void time_chain(Workload& w, const Batch& batch, PrecisionProfile& pp, MemoryTracker& tracker) {
+  StepConfig config;
+  config.precision = pp.precision;
+  ChainRun run{w, batch, tracker, StepOptions{config}};
+  const int64_t B = batch.size(), a = pp.small.micro_batch, b = pp.large.micro_batch;
+  std::vector<RunSize> sizes{{pp.precision, a}, {pp.precision, b}};
+  if (a == b) sizes.pop_back();
   run.ensure_gradients();  // a and b ran before (profile_chain): no first use left to pay
   const auto t = run.medians_of_three_alternating(sizes);
   pp.chain_seconds.clear();
-  for (size_t i = 0; i < sizes.size(); ++i) pp.chain_seconds.push_back({sizes[i], t[i]});
-  if (B > b && run.batch.input.device().type() != c10::kCPU) {
-    double blocks = 0;
-    for (const auto& c : pp.large.blocks) blocks += c.forward_seconds + c.backward_seconds;
+  for (size_t i = 0; i < sizes.size(); ++i) pp.chain_seconds.push_back({sizes[i].micro_batch, t[i]});
+  if (B > b && batch.input.device().type() != c10::kCPU) {
+    const double blocks = block_seconds(pp.large);
     const double share = blocks > 0 ? pp.large.forward_nograd_seconds / blocks : 0.0;
-    run.options.config.checkpoint = CheckpointPlan::all(run.workload.chain->size());
+    run.options.config.checkpoint = CheckpointPlan::all(w.chain->size());
     pp.chain_seconds.push_back({B, run.fresh(B) / (1.0 + share)});
     run.release_gradients();
-    run.options.config.checkpoint = CheckpointPlan::none();
   }
+}
+
+// The precision whose blocks ran fastest at half the batch (each block warm there: the whole
+// chain ran at that size first).
+PrecisionProfile& fastest_by_blocks(std::vector<PrecisionProfile>& precisions) {
+  return *std::min_element(precisions.begin(), precisions.end(), [](const PrecisionProfile& x, const PrecisionProfile& y) {
+    return block_seconds(x.large) < block_seconds(y.large);
+  });
 }
 
 // The plain chain's measured bytes at b against the blocks' model of them: what the per-block
@@ -231,7 +258,6 @@ PrecisionProfile profile_precision(Workload& w, const Batch& batch, Precision pr
   run.fresh(b, &measured);  // first use of this size (and of the chain); its peak calibrates
   pp.large = profile_chain(w, batch, b, precision, tracker);
   pp.small = b > a ? profile_chain(w, batch, a, precision, tracker) : pp.large;
-  time_chain(run, batch.size(), pp);
   calibrate(pp, measured);
   return pp;
 }
@@ -262,20 +288,20 @@ WorkloadProfile profile_workload(Workload& w, const Batch& batch, const std::vec
                               what.substr(0, what.find('\n')) + ")");
     }
   }
+  time_chain(w, batch, fastest_by_blocks(profile.precisions), tracker);
   return profile;
 }
 
 std::vector<double> time_plain_chain(Workload& w, const Batch& batch, Precision precision,
-                                     const std::vector<int64_t>& sizes, const ChainSeconds& reference,
+                                     const std::vector<int64_t>& sizes, const TimingReference& reference,
                                      MemoryTracker& tracker) {
   const RngState rng = capture_rng(batch.input.device());  // dropout draws
-  StepConfig config;
-  config.precision = precision;
-  ChainRun run{w, batch, tracker, StepOptions{config}};
-  std::vector<int64_t> all = sizes;
-  all.push_back(reference.micro_batch);
+  ChainRun run{w, batch, tracker, StepOptions{}};
+  std::vector<RunSize> all;
+  for (int64_t m : sizes) all.push_back({precision, m});
+  all.push_back({reference.precision, reference.point.micro_batch});
   const auto first_uses_then_medians = [&] {
-    for (int64_t m : all) run.fresh(m);  // first use of each size (the profile may come from a cache)
+    run.first_uses(all);  // the profile may come from a cache
     return run.medians_of_three_alternating(all);
   };
   std::vector<double> seconds;
@@ -289,7 +315,7 @@ std::vector<double> time_plain_chain(Workload& w, const Batch& batch, Precision 
   restore_rng(rng);
   // On the reference's scale: the machine's speed now against when the reference was timed
   // drops out, and only the ratio measured side by side remains.
-  const double scale = reference.seconds / seconds.back();
+  const double scale = reference.point.seconds / seconds.back();
   seconds.pop_back();
   for (double& s : seconds) s *= scale;
   return seconds;
@@ -319,6 +345,12 @@ ChainCosts block_costs_at(const PrecisionProfile& p, int64_t m) {
     c.blocks.push_back(f);
   }
   return c;
+}
+
+double block_seconds(const ChainProfile& c) {
+  double s = 0;
+  for (const auto& b : c.blocks) s += b.forward_seconds + b.backward_seconds;
+  return s;
 }
 
 double fit_line(int64_t m1, double v1, int64_t m2, double v2, int64_t m) {
@@ -451,7 +483,6 @@ PrecisionProfile precision_profile_from_json(const nlohmann::json& j, size_t blo
     p.chain_seconds.push_back({jf::integer(pair, "micro_batch", previous + 1), jf::number(pair, "seconds")});
     previous = p.chain_seconds.back().micro_batch;
   }
-  if (p.chain_seconds.empty()) throw std::invalid_argument("JSON: 'chain_seconds' must not be empty");
   return p;
 }
 
@@ -479,6 +510,9 @@ WorkloadProfile profile_from_json(const nlohmann::json& j) {
   const auto& precisions = jf::array(j, "precisions");
   if (precisions.empty()) throw std::invalid_argument("JSON: 'precisions' must not be empty");
   for (const auto& pp : precisions) p.precisions.push_back(precision_profile_from_json(pp, blocks));
+  if (std::all_of(p.precisions.begin(), p.precisions.end(), [](const PrecisionProfile& pp) { return pp.chain_seconds.empty(); })) {
+    throw std::invalid_argument("JSON: 'chain_seconds' must not be empty at every precision");
+  }
   for (const auto& note : jf::array(j, "notes")) {
     if (!note.is_string()) throw std::invalid_argument("JSON: 'notes' must hold strings");
     p.notes.push_back(note.get<std::string>());

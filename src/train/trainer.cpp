@@ -315,7 +315,7 @@ ChainTimer Trainer::chain_timer() {
   // where timing gathers the whole model (a collective the other ranks would not join).
   TrainerState& t = *impl_;
   if (t.sharded_weights()) return {};
-  return [this](Precision precision, const std::vector<int64_t>& sizes, const ChainSeconds& reference) {
+  return [this](Precision precision, const std::vector<int64_t>& sizes, const TimingReference& reference) {
     TrainerState& t = *impl_;
     const Batch first = t.w.data->train_batch(t.start_step, t.o.batch, t.w.seed).slice(t.local.start, t.local.length).to(t.o.device);
     return time_plain_chain(t.w, first, precision, sizes, reference, *t.tracker);

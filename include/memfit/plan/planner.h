@@ -77,9 +77,9 @@ Plan plan_from_json(const nlohmann::json& json, int blocks);
 
 class Planner;
 // Seconds of the plain chain at a precision for each of `sizes`, on the scale of `reference`, a
-// size timed before (profile.h's time_plain_chain).
+// point timed before (profile.h's time_plain_chain).
 using ChainTimer = std::function<std::vector<double>(Precision precision, const std::vector<int64_t>& sizes,
-                                                     const ChainSeconds& reference)>;
+                                                     const TimingReference& reference)>;
 // Plans for `budget_bytes` (0: the request's); while the plan, or a rival predicted within
 // kRivalSlack of it (kExtrapolatedRivalSlack above the timed sizes), runs micro-batches that
 // its precision's chain was not timed at, times them with `time_chain`, adds them to the
@@ -120,7 +120,8 @@ class Planner {
   MeasuredCosts measured_costs() const;
   // The micro-batch sizes `plan` runs (its own, and a smaller last one) that its precision's
   // chain was not timed at: there the time model guessed (a line through timed sizes, which
-  // misses per-call costs below them and cache effects above them).
+  // misses per-call costs below them and cache effects above them). A precision not timed at
+  // all adds its two profiled sizes: its first timing makes its line.
   std::vector<int64_t> untimed_sizes(const Plan& plan) const;
   // The untimed sizes (with their precision) of `plan` and of each precision's best plan at
   // each micro-batch size that fits plan.budget_bytes and is predicted within `slack` of it
@@ -129,9 +130,9 @@ class Planner {
                                                                  double extrapolated_slack) const;
   // Adds a timed point to a precision's time model (time_plain_chain in profile.h).
   void add_chain_seconds(Precision precision, int64_t micro_batch, double seconds);
-  // What sizes timed later are timed beside: the precision's smaller profiled size (timed in
-  // every profile, and cheap), or its first timed point.
-  ChainSeconds timing_reference(Precision precision) const;
+  // What sizes timed later at `precision` are timed beside: its smaller profiled size (cheap),
+  // or its first timed point; for a precision not timed yet, the timed precision's.
+  TimingReference timing_reference(Precision precision) const;
   const PlanRequest& request() const { return request_; }
 
  private:
@@ -140,6 +141,7 @@ class Planner {
   std::vector<const OptimizerCost*> optimizer_candidates() const;
   ChainCosts costs_at(int64_t m, const PrecisionProfile& p, const OptimizerCost& optimizer) const;
   double chain_seconds(int64_t m, const PrecisionProfile& p) const;
+  const PrecisionProfile& timed_precision() const;  // the first precision whose chain was timed
   int64_t optimizer_peak(const OptimizerCost& optimizer) const;
   int64_t weight_bytes() const;  // held through the step: all weights, or this rank's shards (ZeRO 3)
   void add_gathered_blocks(ChainCosts& costs) const;

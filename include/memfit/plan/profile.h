@@ -11,7 +11,13 @@
 // Time: the plain chain's forward + backward is measured at half the batch and at the quarter,
 // three runs of each as in a step (adding into gradients, as a step's later micro-batches do),
 // alternating, each point the median of its three (one statistic for every timed point; the
-// alternation puts a burst of slowness on both sizes, not one). Above half, a CPU's time is
+// alternation puts a burst of slowness on both sizes, not one). Only the precision whose
+// blocks ran fastest at half the batch is timed so: the search needs another precision's
+// times only where that precision's plans come close (GPT 8x256: fp32's blocks take 1.8x
+// bf16's, and its timing was a quarter of planning). Until then such a precision's chain is
+// guessed as the timed one's, scaled by the two precisions' block seconds at half the batch;
+// the planner times it (both profiled sizes, and the sizes a plan would run) when a plan or
+// a close rival runs it. Above half, a CPU's time is
 // first guessed by the line through them continued; on other devices the whole batch is
 // estimated from one run recomputing every block (little memory), less the forward that
 // recomputing adds. Elsewhere the line is only a first guess: below the quarter fixed
@@ -52,12 +58,20 @@ struct ChainSeconds {
   double seconds = 0;
 };
 
+// A point timed before, at one precision, that later timings run beside and are scaled to.
+struct TimingReference {
+  Precision precision = Precision::kFP32;
+  ChainSeconds point;
+};
+
 // What one precision costs: the blocks at two sizes, and the whole plain chain's time.
 struct PrecisionProfile {
   Precision precision = Precision::kFP32;
   ChainProfile small, large;
   double calibration = 1.0;            // measured / modelled bytes of the plain chain
-  std::vector<ChainSeconds> chain_seconds;  // by micro-batch, ascending (the whole batch's estimated)
+  // By micro-batch, ascending (a GPU's whole batch estimated); empty: not timed yet (guessed
+  // from the blocks, see above). At least one precision of a profile is timed.
+  std::vector<ChainSeconds> chain_seconds;
 };
 
 struct WorkloadProfile {
@@ -69,8 +83,9 @@ struct WorkloadProfile {
   std::vector<std::string> notes;      // precisions dropped, and why
 };
 
-// The workload's costs for `batch` at each precision; a mixed precision the model cannot run
-// is dropped with a note (the first, the baseline, must run). `tracker` must be installed on
+// The workload's costs for `batch` at each precision (the chain timed at the precision whose
+// blocks ran fastest); a mixed precision the model cannot run is dropped with a note (the
+// first, the baseline, must run). `tracker` must be installed on
 // this thread. The caller's random stream is left as it was.
 WorkloadProfile profile_workload(Workload& workload, const Batch& batch, const std::vector<Precision>& precisions,
                                  MemoryTracker& tracker);
@@ -80,20 +95,23 @@ ChainProfile profile_chain(Workload& workload, const Batch& batch, int64_t micro
 
 // Seconds of the plain chain's forward + backward on the first m samples of `batch` at
 // `precision`, for each m of `sizes`: each size's median of three runs as in a step (after a
-// first run paying for first use), the runs alternating with a `reference` size timed before,
-// and each median scaled by the reference's seconds over its median now. So a size timed
+// first run paying for first use), the runs alternating with a `reference` point timed before
+// (at its own precision), and each median scaled by the reference's seconds over its median now. So a size timed
 // later is put beside the earlier ones by a ratio measured seconds apart (this machine's speed
 // drifts 2x over minutes). Where the plain chain runs out of memory (a device's real memory),
 // every block is recomputed in all these runs: the ratio then stands in for the plain one. The
 // caller's random stream is left as it was.
 std::vector<double> time_plain_chain(Workload& workload, const Batch& batch, Precision precision,
-                                     const std::vector<int64_t>& sizes, const ChainSeconds& reference,
+                                     const std::vector<int64_t>& sizes, const TimingReference& reference,
                                      MemoryTracker& tracker);
 
 // The blocks' costs at micro-batch m: bytes fitted linearly between the two profiled sizes and
 // calibrated, seconds fitted (not below the smaller size's); no fixed bytes, seconds not yet
 // scaled to the whole chain's (the planner does both).
 ChainCosts block_costs_at(const PrecisionProfile& profile, int64_t m);
+
+// The blocks' forward + backward seconds, summed (each block timed alone).
+double block_seconds(const ChainProfile& profile);
 
 // The value at m of the line through (m1, v1) and (m2, v2), never below zero; bytes rounded.
 double fit_line(int64_t m1, double v1, int64_t m2, double v2, int64_t m);
