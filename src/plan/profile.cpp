@@ -3,7 +3,6 @@
 #include <torch/torch.h>
 
 #include <algorithm>
-#include <array>
 #include <chrono>
 #include <limits>
 
@@ -73,22 +72,40 @@ struct ChainRun {
       fresh(size.micro_batch);
     }
   }
-  // The median of three runs as in a step of each size, each having run before (the first run
-  // at a new size pays for first use: oneDNN builds kernels per shape), their runs alternating:
-  // a typical run's time, as a step's median is, and a burst of slowness (seconds long on the
-  // 2-core machines here) falls on every size alike, not on one. Every timed point takes this
-  // one statistic: a fastest-of-two point beside medians looked faster than its neighbours on a
-  // machine whose noise only slows runs, and plans drifted to its size (session 8).
-  std::vector<double> medians_of_three_alternating(const std::vector<RunSize>& sizes) {
-    std::vector<std::array<double, 3>> t(sizes.size());
-    for (size_t k = 0; k < 3; ++k) {
-      for (size_t i = 0; i < sizes.size(); ++i) t[i][k] = as_in_a_step(sizes[i]);
+  // The median of an odd number of runs as in a step of each size, each having run before
+  // (the first run at a new size pays for first use: oneDNN builds kernels per shape), their
+  // runs alternating: a typical run's time, as a step's median is, and a burst of slowness
+  // (seconds long on the 2-core machines here) falls on every size alike, not on one. Every
+  // timed point takes this one statistic: a fastest-of-two point beside medians looked faster
+  // than its neighbours on a machine whose noise only slows runs, and plans drifted to its size
+  // (session 8). A size runs three times, and more (up to kMaxTimedRuns) until its runs add up
+  // to kMinTimedSeconds: a short run meets the machine's hiccups as often as a long one but
+  // weighs them more (the CNN's 2 samples, 20 ms a run, timed 8% faster per sample than 8 once
+  // in a plan's timing and 10% slower in most; 2 x 8 was planned, and ran 1.11x 8 x 2).
+  static constexpr size_t kMinTimedRuns = 3;
+  static constexpr size_t kMaxTimedRuns = 9;
+  static constexpr double kMinTimedSeconds = 0.25;
+  std::vector<double> medians_alternating(const std::vector<RunSize>& sizes) {
+    std::vector<std::vector<double>> runs(sizes.size());
+    std::vector<double> total(sizes.size(), 0.0);
+    const auto done = [&](size_t i) {
+      const size_t n = runs[i].size();
+      return n >= kMaxTimedRuns || (n >= kMinTimedRuns && n % 2 == 1 && total[i] >= kMinTimedSeconds);
+    };
+    for (bool more = true; more;) {
+      more = false;
+      for (size_t i = 0; i < sizes.size(); ++i) {
+        if (done(i)) continue;
+        runs[i].push_back(as_in_a_step(sizes[i]));
+        total[i] += runs[i].back();
+        more = true;
+      }
     }
     release_gradients();
     std::vector<double> medians;
-    for (auto& runs : t) {
-      std::sort(runs.begin(), runs.end());
-      medians.push_back(runs[1]);
+    for (auto& r : runs) {
+      std::sort(r.begin(), r.end());
+      medians.push_back(r[r.size() / 2]);
     }
     return medians;
   }
@@ -103,7 +120,7 @@ std::pair<int64_t, int64_t> profiled_sizes(int64_t batch) {
 }
 
 // The time model's points at a and b (see profile.h), both having run before (b first): the
-// median of three runs as in a step each, alternating.
+// median of three or more runs as in a step each, alternating.
 // Above b, a CPU's time starts as the line continued: a first guess, timed when a plan would
 // run such a size (the planner's plan_timing_as_needed). Elsewhere (a GPU's occupancy bends
 // the line) the whole batch runs once with every block recomputed (little memory), and the
@@ -117,7 +134,7 @@ void time_chain(Workload& w, const Batch& batch, PrecisionProfile& pp, MemoryTra
   std::vector<RunSize> sizes{{pp.precision, a}, {pp.precision, b}};
   if (a == b) sizes.pop_back();
   run.ensure_gradients();  // a and b ran before (profile_chain): no first use left to pay
-  const auto t = run.medians_of_three_alternating(sizes);
+  const auto t = run.medians_alternating(sizes);
   pp.chain_seconds.clear();
   for (size_t i = 0; i < sizes.size(); ++i) pp.chain_seconds.push_back({sizes[i].micro_batch, t[i]});
   if (B > b && batch.input.device().type() != c10::kCPU) {
@@ -302,7 +319,7 @@ std::vector<double> time_plain_chain(Workload& w, const Batch& batch, Precision 
   all.push_back({reference.precision, reference.point.micro_batch});
   const auto first_uses_then_medians = [&] {
     run.first_uses(all);  // the profile may come from a cache
-    return run.medians_of_three_alternating(all);
+    return run.medians_alternating(all);
   };
   std::vector<double> seconds;
   try {

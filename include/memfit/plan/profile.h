@@ -9,8 +9,9 @@
 // Bytes at other sizes are fitted linearly; the chain's bytes calibrate the blocks'.
 //
 // Time: the plain chain's forward + backward is measured at half the batch and at the quarter,
-// three runs of each as in a step (adding into gradients, as a step's later micro-batches do),
-// alternating, each point the median of its three (one statistic for every timed point; the
+// three runs of each as in a step (adding into gradients, as a step's later micro-batches do;
+// more, up to nine, while a size's runs add up to under a quarter second), alternating, each
+// point the median of its runs (one statistic for every timed point; the
 // alternation puts a burst of slowness on both sizes, not one). Only the precision whose
 // blocks ran fastest at half the batch is timed so: the search needs another precision's
 // times only where that precision's plans come close (GPT 8x256: fp32's blocks take 1.8x
@@ -94,7 +95,7 @@ ChainProfile profile_chain(Workload& workload, const Batch& batch, int64_t micro
                            MemoryTracker& tracker);
 
 // Seconds of the plain chain's forward + backward on the first m samples of `batch` at
-// `precision`, for each m of `sizes`: each size's median of three runs as in a step (after a
+// `precision`, for each m of `sizes`: each size's median of three or more runs as in a step (after a
 // first run paying for first use), the runs alternating with a `reference` point timed before
 // (at its own precision), and each median scaled by the reference's seconds over its median now. So a size timed
 // later is put beside the earlier ones by a ratio measured seconds apart (this machine's speed
