@@ -20,17 +20,17 @@ double seconds_since(Clock::time_point t0) { return std::chrono::duration<double
 
 int64_t storage_bytes(const at::Tensor& t) { return t.defined() ? static_cast<int64_t>(t.storage().nbytes()) : 0; }
 
-// Forward + backward of the plain chain (or with every block recomputed) on the first m
-// samples: its seconds, and its peak above the live bytes at its start. Gradients are left
-// in place between runs, as between a step's micro-batches: all but a step's first
-// micro-batch add into gradients already there (GPT 8x256 bf16, one sample: 0.080 s against
-// 0.070 s with none), so a micro-batch smaller than the batch is timed accumulating.
 // One size at one precision, as the runs below take it.
 struct RunSize {
   Precision precision;
   int64_t micro_batch;
 };
 
+// Forward + backward of the plain chain (or with every block recomputed) on the first m
+// samples: its seconds, and its peak above the live bytes at its start. Gradients are left
+// in place between runs, as between a step's micro-batches: all but a step's first
+// micro-batch add into gradients already there (GPT 8x256 bf16, one sample: 0.080 s against
+// 0.070 s with none), so a micro-batch smaller than the batch is timed accumulating.
 struct ChainRun {
   Workload& workload;
   const Batch& batch;
