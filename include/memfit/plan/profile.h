@@ -11,14 +11,8 @@
 // Time: the plain chain's forward + backward is measured at half the batch and at the quarter,
 // three runs of each as in a step (adding into gradients, as a step's later micro-batches do;
 // more, up to nine, while a size's runs add up to under a quarter second), alternating, each
-// point the median of its runs (one statistic for every timed point; the
-// alternation puts a burst of slowness on both sizes, not one). Only the precision whose
-// blocks ran fastest at half the batch is timed so: the search needs another precision's
-// times only where that precision's plans come close (GPT 8x256: fp32's blocks take 1.8x
-// bf16's, and its timing was a quarter of planning). Until then such a precision's chain is
-// guessed as the timed one's, scaled by the two precisions' block seconds at half the batch;
-// the planner times it (both profiled sizes, and the sizes a plan would run) when a plan or
-// a close rival runs it. Above half, a CPU's time is
+// point the median of its runs (one statistic for every timed point; the alternation puts a
+// burst of slowness on both sizes, not one). Above half, a CPU's time is
 // first guessed by the line through them continued; on other devices the whole batch is
 // estimated from one run recomputing every block (little memory), less the forward that
 // recomputing adds. Elsewhere the line is only a first guess: below the quarter fixed
@@ -29,6 +23,13 @@
 // measured is timed before the plan is taken (plan_timing_as_needed in planner.h,
 // time_plain_chain here), beside the quarter, whose earlier time sets the scale. Those points
 // are the time model; the blocks' seconds only divide a point's time among blocks.
+//
+// Only the precision whose blocks ran fastest at half the batch is timed in the profile: the
+// search needs another precision's times only where that precision's plans come close (GPT
+// 8x256: fp32's blocks take 1.8x bf16's, and its timing was a quarter of planning). Until then
+// such a precision's chain is guessed as the timed one's, scaled by the two precisions' block
+// seconds at half the batch; the planner times it (both profiled sizes, and the sizes a plan
+// would run) when a plan or a close rival runs it.
 //
 #pragma once
 
