@@ -4,6 +4,7 @@
 
 #include <algorithm>
 #include <chrono>
+#include <cstdio>
 #include <limits>
 
 #include "memfit/runtime/step.h"
@@ -264,6 +265,60 @@ ChainProfile profile_chain(Workload& w, const Batch& batch, int64_t m, Precision
 
 namespace {
 
+// A mixed precision that runs this many times slower than the baseline is not profiled: on a
+// CPU without bf16 instructions (AMD EPYC here) bf16 autocast ran the default GPT 17x slower
+// than fp32, and profiling it took 48 of 54 s; no plan of it can be the fastest while the
+// baseline fits (recomputing everything costs well under 3x).
+constexpr double kSlowPrecisionRatio = 3.0;
+
+// How many times slower `precision` runs the baseline's heaviest block (by its forward +
+// backward at half the batch) than the baseline does, on one sample, each warm: the best of
+// two runs after a first use. One sample of one block costs little even where the precision
+// is slow; tiny shapes weigh per-call costs more, which only brings the ratio nearer 1 (so a
+// precision is profiled in doubt).
+struct Slowdown {
+  double ratio = 1.0;
+  int block = 0;
+};
+Slowdown probe_slowdown(Workload& w, const Batch& batch, const PrecisionProfile& baseline, Precision precision,
+                        MemoryTracker& tracker) {
+  const auto& blocks = baseline.large.blocks;
+  const auto heaviest = std::max_element(blocks.begin(), blocks.end(), [](const BlockCost& x, const BlockCost& y) {
+    return x.forward_seconds + x.backward_seconds < y.forward_seconds + y.backward_seconds;
+  });
+  const int i = static_cast<int>(heaviest - blocks.begin());
+  const RngState rng = capture_rng(batch.input.device());  // dropout draws
+  const Batch one = batch.slice(0, 1);
+  at::Tensor x = one.input;
+  if (i > 0) {
+    at::NoGradGuard no_grad;
+    Autocast autocast(x.device().type(), baseline.precision);
+    x = w.chain->run_blocks(x, 0, i - 1);
+  }
+  const auto best_of_two = [&](Precision p) {
+    run_block(w, i, x, one.target, p, tracker);  // first use
+    double best = std::numeric_limits<double>::infinity();
+    for (int run = 0; run < 2; ++run) {
+      const BlockCost c = run_block(w, i, x, one.target, p, tracker).cost;
+      best = std::min(best, c.forward_seconds + c.backward_seconds);
+    }
+    return best;
+  };
+  const double base = best_of_two(baseline.precision);
+  const double slow = best_of_two(precision);
+  restore_rng(rng);
+  return {base > 0 ? slow / base : 1.0, i};
+}
+
+std::string slow_precision_note(const Workload& w, const Slowdown& slow, Precision precision, Precision baseline) {
+  char ratio[32];
+  std::snprintf(ratio, sizeof ratio, "%.1fx", slow.ratio);
+  return std::string(precision_name(precision)) + " not considered: it ran " + ratio + " slower than " +
+         precision_name(baseline) + " here (block " + std::to_string(slow.block) + " " + w.chain->block(slow.block).name +
+         ", one sample; over " + std::to_string(static_cast<int>(kSlowPrecisionRatio)) +
+         "x: too slow to be the fastest); --precision " + precision_name(precision) + " plans with it alone";
+}
+
 PrecisionProfile profile_precision(Workload& w, const Batch& batch, Precision precision, MemoryTracker& tracker) {
   PrecisionProfile pp;
   pp.precision = precision;
@@ -292,6 +347,13 @@ WorkloadProfile profile_workload(Workload& w, const Batch& batch, const std::vec
   auto params = w.chain->parameters();
   for (Precision precision : precisions) {
     try {
+      if (precision != precisions.front()) {
+        const Slowdown slow = probe_slowdown(w, batch, profile.precisions.front(), precision, tracker);
+        if (slow.ratio > kSlowPrecisionRatio) {
+          profile.notes.push_back(slow_precision_note(w, slow, precision, precisions.front()));
+          continue;
+        }
+      }
       profile.precisions.push_back(profile_precision(w, batch, precision, tracker));
     } catch (const c10::OutOfMemoryError&) {
       throw;
