@@ -66,12 +66,19 @@ struct ChainRun {
     const int64_t m = size.micro_batch;
     return m < batch.size() ? (*this)(m) : fresh(m);
   }
-  // A first run of each size, paying for first use.
-  void first_uses(const std::vector<RunSize>& sizes) {
-    for (const RunSize& size : sizes) {
-      options.config.precision = size.precision;
-      fresh(size.micro_batch);
+  // A first run of each size as in a step, paying for first use (oneDNN builds kernels per
+  // shape). A first run of kMinTimedSeconds or more is kept as the size's first timed run:
+  // what first use adds (milliseconds of kernel builds) is small beside it, and a first run
+  // slower than the rest is outvoted by the median. Whole batches here take 1.5 s a run (the
+  // default GPT on an AMD EPYC), and a wasted one was a sixth of planning.
+  std::vector<std::vector<double>> first_uses(const std::vector<RunSize>& sizes) {
+    ensure_gradients();
+    std::vector<std::vector<double>> kept(sizes.size());
+    for (size_t i = 0; i < sizes.size(); ++i) {
+      const double s = as_in_a_step(sizes[i]);
+      if (s >= kMinTimedSeconds) kept[i].push_back(s);
     }
+    return kept;
   }
   // The median of an odd number of runs as in a step of each size, each having run before
   // (the first run at a new size pays for first use: oneDNN builds kernels per shape), their
@@ -86,9 +93,13 @@ struct ChainRun {
   static constexpr size_t kMinTimedRuns = 3;
   static constexpr size_t kMaxTimedRuns = 9;
   static constexpr double kMinTimedSeconds = 0.25;
-  std::vector<double> medians_alternating(const std::vector<RunSize>& sizes) {
-    std::vector<std::vector<double>> runs(sizes.size());
+  // `runs`: runs already timed, by size (first_uses).
+  std::vector<double> medians_alternating(const std::vector<RunSize>& sizes, std::vector<std::vector<double>> runs = {}) {
+    runs.resize(sizes.size());
     std::vector<double> total(sizes.size(), 0.0);
+    for (size_t i = 0; i < sizes.size(); ++i) {
+      for (double s : runs[i]) total[i] += s;
+    }
     const auto done = [&](size_t i) {
       const size_t n = runs[i].size();
       return n >= kMaxTimedRuns || (n >= kMinTimedRuns && n % 2 == 1 && total[i] >= kMinTimedSeconds);
@@ -380,8 +391,7 @@ std::vector<double> time_plain_chain(Workload& w, const Batch& batch, Precision 
   for (int64_t m : sizes) all.push_back({precision, m});
   all.push_back({reference.precision, reference.point.micro_batch});
   const auto first_uses_then_medians = [&] {
-    run.first_uses(all);  // the profile may come from a cache
-    return run.medians_alternating(all);
+    return run.medians_alternating(all, run.first_uses(all));  // the profile may come from a cache
   };
   std::vector<double> seconds;
   try {

@@ -101,7 +101,7 @@ ChainProfile profile_chain(Workload& workload, const Batch& batch, int64_t micro
 
 // Seconds of the plain chain's forward + backward on the first m samples of `batch` at
 // `precision`, for each m of `sizes`: each size's median of three or more runs as in a step (after a
-// first run paying for first use), the runs alternating with a `reference` point timed before
+// first run paying for first use, itself one of them where it took a quarter second or more), the runs alternating with a `reference` point timed before
 // (at its own precision), and each median scaled by the reference's seconds over its median now. So a size timed
 // later is put beside the earlier ones by a ratio measured seconds apart (this machine's speed
 // drifts 2x over minutes). Where the plain chain runs out of memory (a device's real memory),
