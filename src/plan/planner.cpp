@@ -135,6 +135,17 @@ std::vector<std::pair<Precision, int64_t>> Planner::untimed_rival_sizes(const Pl
   return out;
 }
 
+bool Planner::profiled(Precision precision) const {
+  return std::any_of(profile_.precisions.begin(), profile_.precisions.end(),
+                     [precision](const PrecisionProfile& p) { return p.precision == precision; });
+}
+
+void Planner::add_precision(PrecisionProfile profile) {
+  TORCH_CHECK(!profiled(profile.precision), "memfit::Planner::add_precision: ", precision_name(profile.precision),
+              " was profiled already");
+  profile_.precisions.push_back(std::move(profile));
+}
+
 void Planner::add_chain_seconds(Precision precision, int64_t m, double seconds) {
   for (auto& pp : profile_.precisions) {
     if (pp.precision != precision) continue;

@@ -330,6 +330,9 @@ std::string slow_precision_note(const Workload& w, const Slowdown& slow, Precisi
          "x: too slow to be the fastest); --precision " + precision_name(precision) + " plans with it alone";
 }
 
+
+}  // namespace
+
 PrecisionProfile profile_precision(Workload& w, const Batch& batch, Precision precision, MemoryTracker& tracker) {
   PrecisionProfile pp;
   pp.precision = precision;
@@ -344,8 +347,6 @@ PrecisionProfile profile_precision(Workload& w, const Batch& batch, Precision pr
   calibrate(pp, measured);
   return pp;
 }
-
-}  // namespace
 
 WorkloadProfile profile_workload(Workload& w, const Batch& batch, const std::vector<Precision>& precisions,
                                  MemoryTracker& tracker) {

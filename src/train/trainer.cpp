@@ -209,12 +209,40 @@ void Trainer::resume() {
   t.out << "  resumed from " << t.o.resume_dir << " at step " << t.start_step << "\n";
 }
 
+namespace {
+
+// The first batch this rank trains on, on its device: what profiles and timings run.
+Batch first_local_batch(const TrainerState& t) {
+  return t.w.data->train_batch(t.start_step, t.o.batch, t.w.seed).slice(t.local.start, t.local.length).to(t.o.device);
+}
+
+// Profiles `precision` on the ranks whose profile lacks it: each rank's probe times its own
+// runs, and one may drop a mixed precision that rank 0's plan runs. With sharded weights the
+// profile gathers them, a collective: every rank joins when any rank profiles.
+void profile_where_missing(TrainerState& t, Precision precision) {
+  const bool missing = !t.planner->profiled(precision);
+  bool any = missing;
+  if (t.sharded_weights()) {
+    const auto flags = t.context->all_gather({missing ? 1 : 0}, "agreeing on the precisions profiled");
+    any = std::any_of(flags.begin(), flags.end(), [](const std::vector<int64_t>& f) { return f.at(0) != 0; });
+  }
+  if (!any) return;
+  const RngState rng = capture_rng(t.o.device);  // profiling draws dropout masks
+  std::optional<ShardedDataParallel::FullWeights> full;
+  if (t.sharded_weights()) full.emplace(*t.sdp);
+  if (missing) t.planner->add_precision(profile_precision(t.w, first_local_batch(t), precision, *t.tracker));
+  full.reset();
+  restore_rng(rng);
+}
+
+}  // namespace
+
 // --- plan --------------------------------------------------------------------------------------
 
 void Trainer::make_planner() {
   TrainerState& t = *impl_;
   const std::vector<Precision> precisions = precision_candidates(t.o.precision, t.o.device.type());
-  const Batch first = t.w.data->train_batch(t.start_step, t.o.batch, t.w.seed).slice(t.local.start, t.local.length).to(t.o.device);
+  const Batch first = first_local_batch(t);
   const RngState rng = capture_rng(t.o.device);  // measuring draws dropout masks: training must not notice
   const auto optimized = t.sdp ? t.sdp->optimized_parameters() : t.params;
   std::optional<ShardedDataParallel::FullWeights> full;  // ZeRO 3: profiled as one process runs it (before the budget)
@@ -317,8 +345,7 @@ ChainTimer Trainer::chain_timer() {
   if (t.sharded_weights()) return {};
   return [this](Precision precision, const std::vector<int64_t>& sizes, const TimingReference& reference) {
     TrainerState& t = *impl_;
-    const Batch first = t.w.data->train_batch(t.start_step, t.o.batch, t.w.seed).slice(t.local.start, t.local.length).to(t.o.device);
-    return time_plain_chain(t.w, first, precision, sizes, reference, *t.tracker);
+    return time_plain_chain(t.w, first_local_batch(t), precision, sizes, reference, *t.tracker);
   };
 }
 
@@ -328,8 +355,9 @@ void Trainer::adopt_rank0_plan() {
   TrainerState& t = *impl_;
   const std::string mine = plan_json(t.plan).dump();
   const std::string rank0 = t.context->broadcast_string(mine, 0, "agreeing on the plan");
-  if (rank0 == mine) return;
   const Plan theirs = plan_from_json(nlohmann::json::parse(rank0), t.w.chain->size());
+  profile_where_missing(t, theirs.config.precision);
+  if (rank0 == mine) return;
   const int64_t m = std::min(theirs.config.micro_batch_size(), t.local.length);
   std::vector<std::string> notes = t.plan.notes;
   t.plan = t.planner->evaluate(m, theirs.config.precision, theirs.config.checkpoint, t.budget, theirs.config.optimizer.state);

@@ -128,6 +128,11 @@ class Planner {
   // (`extrapolated_slack` above the precision's largest timed size).
   std::vector<std::pair<Precision, int64_t>> untimed_rival_sizes(const Plan& plan, double slack,
                                                                  double extrapolated_slack) const;
+  // Whether `precision` was profiled (a mixed precision may have been dropped: profile.h).
+  bool profiled(Precision precision) const;
+  // Adds a precision profiled later (profile_precision in profile.h; its chain untimed: it is
+  // guessed from its blocks until timed). Throws if it is there already.
+  void add_precision(PrecisionProfile profile);
   // Adds a timed point to a precision's time model (time_plain_chain in profile.h).
   void add_chain_seconds(Precision precision, int64_t micro_batch, double seconds);
   // What sizes timed later at `precision` are timed beside: its smaller profiled size (cheap),

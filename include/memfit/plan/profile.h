@@ -96,6 +96,11 @@ struct WorkloadProfile {
 WorkloadProfile profile_workload(Workload& workload, const Batch& batch, const std::vector<Precision>& precisions,
                                  MemoryTracker& tracker);
 
+// One precision's blocks at a quarter and a half of `batch` (its chain not timed): what
+// profile_workload does per precision, for a precision added later (a rank whose probe dropped
+// a precision that rank 0's plan runs).
+PrecisionProfile profile_precision(Workload& workload, const Batch& batch, Precision precision, MemoryTracker& tracker);
+
 ChainProfile profile_chain(Workload& workload, const Batch& batch, int64_t micro_batch, Precision precision,
                            MemoryTracker& tracker);
 
