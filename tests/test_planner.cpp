@@ -131,7 +131,8 @@ bool has_note_starting(const std::vector<std::string>& notes, const std::string&
 
 TEST(PlannerTest, MixedPrecisionCandidateIsProfiledAndItsPlanHolds) {
   // Under "auto" each mixed precision is profiled, or the plan says why not (this machine may
-  // run it far slower than fp32). bf16 alone is always profiled; its plan's predicted peak must hold when run.
+  // run it far slower than fp32). bf16 alone is always profiled; its plan's predicted peak
+  // must hold when run.
   SmallGptSetup g;
   const auto precisions = precision_candidates("auto", c10::kCPU);
   ASSERT_GE(precisions.size(), 2u);

@@ -330,7 +330,6 @@ std::string slow_precision_note(const Workload& w, const Slowdown& slow, Precisi
          "x: too slow to be the fastest); --precision " + precision_name(precision) + " plans with it alone";
 }
 
-
 }  // namespace
 
 PrecisionProfile profile_precision(Workload& w, const Batch& batch, Precision precision, MemoryTracker& tracker) {
