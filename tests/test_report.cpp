@@ -52,7 +52,7 @@ TEST(ReportTest, JsonHasTheDocumentedFields) {
   EXPECT_TRUE(j["phases"].contains("forward"));
   EXPECT_TRUE(j["phases"].contains("backward"));
   EXPECT_TRUE(j["phases"].contains("optimizer"));
-  auto doc = report_chart_document(r);
+  auto doc = report_document(r).to_json();
   EXPECT_EQ(doc["timeline"].size(), r.analysis.timeline.size());
 }
 

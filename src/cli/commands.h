@@ -27,6 +27,8 @@ struct TrainFlags {
   TrainOptions options;
   std::string budget;
   std::string inject_oom;
+  bool progress = true;
+  int64_t progress_every = 0;  // not on a terminal: a line every K steps (0: about 20 lines a run)
 };
 
 int run_report_command(WorkloadFlags& workload, const StepFlags& step, const ReportFlags& flags);

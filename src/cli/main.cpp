@@ -67,8 +67,8 @@ CLI::App* add_train(CLI::App& app, WorkloadFlags& w, StepFlags& s, TrainFlags& f
   cmd->add_option("--inject-oom", f.inject_oom, "steps (from 1) whose first micro-batch fails once, e.g. 3,7");
   cmd->add_option("--json-log", o.json_log, "write JSON lines (plan, steps, summary) to this file");
   cmd->add_option("--report", o.report_html, "HTML report of the last step")->capture_default_str();
-  cmd->add_flag("!--no-progress", o.progress, "no progress lines");
-  cmd->add_option("--progress-every", o.progress_every,
+  cmd->add_flag("!--no-progress", f.progress, "no progress lines");
+  cmd->add_option("--progress-every", f.progress_every,
                   "not on a terminal: a progress line every K steps (0: about 20 lines a run)")
       ->capture_default_str();
   cmd->add_option("--world-size", o.distributed.world_size, "data-parallel ranks (memfit launch sets it)")->capture_default_str();

@@ -175,27 +175,6 @@ TimingReference Planner::timing_reference(Precision precision) const {
   return {p.precision, p.chain_seconds.front()};
 }
 
-Plan plan_timing_as_needed(Planner& planner, int64_t budget_bytes, const ChainTimer& time_chain, int* timed) {
-  int count = 0;
-  Plan plan = planner.plan(budget_bytes);
-  // Each round times at least one size: the sizes a plan can run are finite.
-  const auto untimed = [&] { return planner.untimed_rival_sizes(plan, kRivalSlack, kExtrapolatedRivalSlack); };
-  for (auto sizes = untimed(); !sizes.empty() && time_chain; sizes = untimed()) {
-    for (const auto& profile : planner.profile().precisions) {  // each precision's sizes timed together
-      std::vector<int64_t> ms;
-      for (const auto& [precision, m] : sizes) {
-        if (precision == profile.precision) ms.push_back(m);
-      }
-      if (ms.empty()) continue;
-      const std::vector<double> seconds = time_chain(profile.precision, ms, planner.timing_reference(profile.precision));
-      for (size_t i = 0; i < ms.size(); ++i) planner.add_chain_seconds(profile.precision, ms[i], seconds[i]);
-    }
-    count += static_cast<int>(sizes.size());
-    plan = planner.plan(budget_bytes);
-  }
-  if (timed != nullptr) *timed = count;
-  return plan;
-}
 
 ChainCosts Planner::costs_at(int64_t m, const PrecisionProfile& p, const OptimizerCost& optimizer) const {
   ChainCosts c = block_costs_at(p, m);
@@ -271,6 +250,7 @@ Schedule Planner::uniform(int64_t m, int segments) const {
 Plan Planner::prediction_base(int64_t budget) const {
   Plan p;
   p.budget_bytes = budget;
+  p.margin = request_.margin;
   p.config = request_.step;
   p.baseline_precision = profile_.precisions.front().precision;
   p.config.precision = p.baseline_precision;
@@ -457,6 +437,7 @@ Plan Planner::plan(int64_t budget) const {
 nlohmann::json plan_json(const Plan& p) {
   const double plain = p.plain_predicted_seconds > 0 ? p.plain_predicted_seconds : 1;
   return {{"budget_bytes", p.budget_bytes},
+          {"margin", p.margin},
           {"feasible", p.feasible},
           {"floor_bytes", p.floor_bytes},
           {"config", p.feasible ? step_config_json(p.config) : nlohmann::json(nullptr)},
@@ -473,6 +454,7 @@ Plan plan_from_json(const nlohmann::json& j, int blocks) {
   namespace jf = json_fields;
   Plan p;
   p.budget_bytes = jf::integer(j, "budget_bytes");
+  p.margin = jf::number(j, "margin");
   p.feasible = jf::boolean(j, "feasible");
   p.floor_bytes = jf::integer(j, "floor_bytes");
   if (p.feasible) p.config = step_config_from_json(jf::field(j, "config"), blocks);
@@ -491,16 +473,5 @@ Plan plan_from_json(const nlohmann::json& j, int blocks) {
   return p;
 }
 
-Planner measure_and_plan(Workload& w, const Batch& batch, const std::vector<Precision>& precisions, PlanRequest request,
-                         MemoryTracker& tracker, std::vector<at::Tensor> optimized, const ProfileCacheOptions& cache,
-                         CostsSource* source) {
-  if (optimized.empty()) optimized = w.chain->parameters();
-  CostsSource ignored;
-  MeasuredCosts costs = measure_costs(w, batch, precisions, request.step.optimizer, optimized, tracker, cache,
-                                      source != nullptr ? *source : ignored);
-  request.optimizer = costs.optimizer.front();
-  request.optimizer_alternatives.assign(costs.optimizer.begin() + 1, costs.optimizer.end());
-  return Planner(std::move(costs.profile), std::move(request));
-}
 
 }  // namespace memfit

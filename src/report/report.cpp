@@ -95,16 +95,6 @@ Report run_report(Workload& w, const ReportOptions& o) {
   return r;
 }
 
-namespace {
-
-nlohmann::json categories_json(const Categories& c) {
-  return {{"weights", c.weights},         {"buffers", c.buffers},             {"gradients", c.gradients},
-          {"optimizer_state", c.optimizer_state}, {"activations", c.activations},
-          {"other", c.other},             {"autocast_cache", c.autocast_cache}};
-}
-
-}  // namespace
-
 nlohmann::json report_json(const Report& r) {
   nlohmann::json j;
   j["model"] = r.model;
@@ -151,63 +141,16 @@ nlohmann::json report_json(const Report& r) {
   return j;
 }
 
-nlohmann::json ranks_json(const std::vector<RankStateBytes>& ranks) {
-  nlohmann::json a = nlohmann::json::array();
-  for (size_t r = 0; r < ranks.size(); ++r) {
-    a.push_back({{"rank", static_cast<int>(r)}, {"weights", ranks[r].weights}, {"gradients", ranks[r].gradients},
-                 {"optimizer_state", ranks[r].optimizer_state}});
-  }
-  return a;
-}
-
-nlohmann::json step_chart_document(const std::string& title, const std::string& device, const StepAnalysis& a,
-                                   const std::vector<std::string>& block_names, const std::vector<bool>& recomputed) {
-  nlohmann::json d;
-  d["title"] = title;
-  d["device"] = device;
-  d["budget_bytes"] = nullptr;
-  d["peak_bytes"] = a.peak_bytes;
-  d["peak_time_us"] = a.peak_t_ns / 1000;
-  // Buffers get a band only where the model has some (BatchNorm's statistics), not a 0 B legend.
-  const bool has_buffers = a.at_start.buffers > 0 || a.at_peak.buffers > 0;
-  d["categories"] = has_buffers ? nlohmann::json{"weights", "buffers", "gradients", "optimizer_state", "activations", "other"}
-                                : nlohmann::json{"weights", "gradients", "optimizer_state", "activations", "other"};
-  d["at_peak"] = categories_json(a.at_peak);
-  nlohmann::json timeline = nlohmann::json::array();
-  for (const auto& p : a.timeline) {
-    timeline.push_back({{"t_us", p.t_ns / 1000},
-                        {"phase", phase_name(p.phase)},
-                        {"weights", p.live.weights},
-                        {"buffers", p.live.buffers},
-                        {"gradients", p.live.gradients},
-                        {"optimizer_state", p.live.optimizer_state},
-                        {"activations", p.live.activations},
-                        {"other", p.live.other}});
-  }
-  d["timeline"] = timeline;
-  nlohmann::json phases = nlohmann::json::array();
-  for (const auto& s : a.phases) {
-    phases.push_back({{"name", phase_name(s.phase)}, {"start_us", s.start_ns / 1000},
-                      {"end_us", s.end_ns / 1000}, {"peak_bytes", s.peak_bytes}});
-  }
-  d["phases"] = phases;
-  nlohmann::json blocks = nlohmann::json::array();
-  for (size_t i = 0; i < block_names.size(); ++i) {
-    blocks.push_back({{"name", block_names[i]},
-                      {"activation_bytes", a.block_activation_bytes.at(i)},
-                      {"recomputed", static_cast<bool>(recomputed.at(i))}});
-  }
-  d["blocks"] = blocks;
-  return d;
-}
-
-nlohmann::json report_chart_document(const Report& r) {
-  nlohmann::json d = step_chart_document("memfit report: " + r.description, r.options.step.device.str(), r.analysis, r.block_names, r.block_recomputed);
-  if (r.ranks.size() > 1) {
-    d["ranks"] = ranks_json(r.ranks);
-    d["zero_stage"] = r.options.zero_stage;
-    if (r.largest_gathered_block_bytes > 0) d["largest_gathered_block_bytes"] = r.largest_gathered_block_bytes;
-  }
+ReportDocument report_document(const Report& r) {
+  ReportDocument d;
+  d.title = "memfit report: " + r.description;
+  d.device = r.options.step.device.str();
+  d.step = r.analysis;
+  d.block_names = r.block_names;
+  d.block_recomputed = r.block_recomputed;
+  d.ranks = r.ranks;
+  d.zero_stage = r.options.zero_stage;
+  d.largest_gathered_block_bytes = r.largest_gathered_block_bytes;
   return d;
 }
 

@@ -518,4 +518,40 @@ std::string weights_sha256(const torch::nn::Module& module) {
   });
 }
 
+nlohmann::json SavedMeta::to_json() const {
+  return {{"version", kVersion},
+          {"step", step},
+          {"batch", batch},
+          {"seed", seed},
+          {"model", model},
+          {"parameters", parameters},
+          {"optimizer", optimizer_family_name(optimizer)},
+          {"optimizer_state", state_precision_name(optimizer_state)},
+          {"plan", plan}};
+}
+
+SavedMeta SavedMeta::from_json(const nlohmann::json& j) {
+  namespace jf = json_fields;
+  const int64_t version = jf::integer(j, "version");
+  if (version != kVersion) {
+    throw std::invalid_argument("JSON: 'version' " + std::to_string(version) + " is not this memfit's (" +
+                                std::to_string(kVersion) + ")");
+  }
+  SavedMeta m;
+  m.step = jf::integer(j, "step");
+  m.batch = jf::integer(j, "batch", 1);
+  const auto& seed = jf::field(j, "seed");
+  if (!seed.is_number_unsigned() && !(seed.is_number_integer() && seed.get<int64_t>() >= 0)) {
+    throw std::invalid_argument("JSON: 'seed' must be a non-negative integer, got " + seed.dump());
+  }
+  m.seed = seed.get<uint64_t>();
+  m.model = jf::text(j, "model");
+  m.parameters = jf::integer(j, "parameters");
+  m.optimizer = parse_optimizer_family(jf::text(j, "optimizer"));
+  m.optimizer_state = parse_state_precision(jf::text(j, "optimizer_state"));
+  m.plan = jf::field(j, "plan");
+  if (!m.plan.is_object()) throw std::invalid_argument("JSON: 'plan' must be an object, got " + m.plan.dump());
+  return m;
+}
+
 }  // namespace memfit

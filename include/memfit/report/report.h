@@ -12,6 +12,7 @@
 
 #include "memfit/measure/breakdown.h"
 #include "memfit/plan/rank_states.h"
+#include "memfit/report/document.h"
 #include "memfit/runtime/step_config.h"
 #include "memfit/runtime/workload.h"
 
@@ -55,15 +56,7 @@ Report run_report(Workload& workload, const ReportOptions& options);
 
 // The JSON of `memfit report --json` (bytes as integers).
 nlohmann::json report_json(const Report& report);
-// The document the HTML report draws (timeline by category, phases, blocks, ranks).
-nlohmann::json report_chart_document(const Report& report);
-
-// The part of that document that describes one analysed step; `memfit train` adds its plan,
-// steps and budget to it. block_names and recomputed: one entry per block of the chain.
-nlohmann::json step_chart_document(const std::string& title, const std::string& device, const StepAnalysis& analysis,
-                                   const std::vector<std::string>& block_names, const std::vector<bool>& recomputed);
-
-// [{"rank", "weights", "gradients", "optimizer_state"}, ...] for reports and summaries.
-nlohmann::json ranks_json(const std::vector<RankStateBytes>& ranks);
+// The HTML report's document of a report: its analysed step and per-rank state.
+ReportDocument report_document(const Report& report);
 
 }  // namespace memfit

@@ -49,7 +49,7 @@ struct CheckpointPlan {
 using BlockForward = BlockFn;
 
 // Runs block `index` on `x` in place of the chain's own call, given `run`, the block's own
-// forward (tagged with its index): ZeRO 3 (train/distributed.h) gathers the block's sharded
+// forward (tagged with its index): ZeRO 3 (train/zero_sharded.h) gathers the block's sharded
 // weights around it and recomputes it in backward.
 using BlockRunner = std::function<at::Tensor(int index, const at::Tensor& x, const BlockFn& run)>;
 
