@@ -113,7 +113,7 @@ int run_report_command(WorkloadFlags& wf, const StepFlags& sf, const ReportFlags
     j["notes"] = w.notes;
     std::cout << j.dump(2) << "\n";
   } else {
-    for (const auto& n : w.notes) fmt::print("note: {}\n", n);
+    for (const auto& n : w.notes) fmt::print("note: {}\n", in_flag_terms(n));
     print_report_peak(r);
     print_report_states(r);
   }

@@ -132,7 +132,7 @@ void require_decimal_integers(CLI::App& app) {
 void print_error(const std::string& message) {
   const std::string prefix = "memfit: ";
   const std::string text = message.rfind(prefix, 0) == 0 ? message.substr(prefix.size()) : message;
-  std::fprintf(stderr, "memfit: %s\n", text.substr(0, text.find('\n')).c_str());
+  std::fprintf(stderr, "memfit: %s\n", in_flag_terms(text.substr(0, text.find('\n'))).c_str());
 }
 
 // Runs the parsed subcommand; library errors become one line (flag names for bad options).

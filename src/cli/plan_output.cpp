@@ -50,9 +50,9 @@ void print_plan(const Plan& plan, const std::vector<std::string>& block_names, c
   fmt::print("  {:<28}{}\n", "plain step, predicted peak", bytes_cell(plan.plain_predicted_peak));
   fmt::print("  {:<28}{}\n", "smallest budget (floor)", bytes_cell(plan.floor_bytes));
   if (!planning.empty()) fmt::print("  {}\n", planning);
-  for (const auto& n : plan.notes) fmt::print("  note: {}\n", n);
+  for (const auto& n : plan.notes) fmt::print("  note: {}\n", in_flag_terms(n));
   if (verified != nullptr) {
-    for (const auto& n : verified->notes) fmt::print("  note: {}\n", n);
+    for (const auto& n : verified->notes) fmt::print("  note: {}\n", in_flag_terms(n));
   }
 }
 

@@ -4,7 +4,7 @@
 #include <string>
 #include <vector>
 
-#include "memfit/memfit.h"
+#include "flags.h"
 
 namespace memfit::cli {
 

@@ -19,7 +19,7 @@ void TrainOutput::on_start(const StartEvent& e) {
   fmt::print("memfit train: {}\n", e.description);
   fmt::print("  {} parameters ({}), batch {}, {}, {} threads, {}\n", e.parameters, format_bytes(e.parameter_bytes), e.batch,
              e.optimizer, e.threads, e.device);
-  for (const auto& n : e.notes) fmt::print("  note: {}\n", n);
+  for (const auto& n : e.notes) fmt::print("  note: {}\n", in_flag_terms(n));
   if (!e.strategy.empty()) {
     fmt::print("  {}; samples {} to {} of each batch\n", e.strategy, e.local_start, e.local_start + e.local_length - 1);
   }
@@ -52,7 +52,7 @@ void TrainOutput::on_step(const StepEvent& e) {
 
 void TrainOutput::on_note(const std::string& note) {
   end_progress_line();
-  fmt::print("{}\n", note);
+  fmt::print("{}\n", in_flag_terms(note));
 }
 
 namespace {

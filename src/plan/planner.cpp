@@ -355,7 +355,7 @@ void Planner::explain_choice(Plan& p, const std::vector<Plan>& best_of) const {
   }
   if (best_of.size() > 1 && p.config.precision != p.baseline_precision) {
     p.notes.push_back(std::string("precision ") + chosen +
-                      " chosen: mixed precision measured faster on this device (pass --precision fp32 to forbid it)");
+                      " chosen: mixed precision measured faster on this device (`precision` fp32 forbids it)");
   }
 }
 
@@ -399,7 +399,7 @@ void Planner::explain_state_choice(Plan& p, const std::vector<Plan>& best_with, 
   char buf[200];
   std::snprintf(buf, sizeof buf, "optimizer state %s chosen: its best plan is predicted %.2fx the time of %s state's, optimizer step included",
                 state.c_str(), p.predicted_seconds / best_with.front().predicted_seconds, base_name.c_str());
-  p.notes.push_back(buf + bytes + " (pass --optimizer-state fp32 to forbid it)");
+  p.notes.push_back(buf + bytes + " (`optimizer.state` fp32 forbids it)");
 }
 
 Plan Planner::plan(int64_t budget) const {

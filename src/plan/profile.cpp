@@ -327,7 +327,7 @@ std::string slow_precision_note(const Workload& w, const Slowdown& slow, Precisi
   return std::string(precision_name(precision)) + " not considered: it ran " + ratio + " slower than " +
          precision_name(baseline) + " here (block " + std::to_string(slow.block) + " " + w.chain->block(slow.block).name +
          ", one sample; over " + std::to_string(static_cast<int>(kSlowPrecisionRatio)) +
-         "x: too slow to be the fastest); --precision " + precision_name(precision) + " plans with it alone";
+         "x: too slow to be the fastest); `precision` " + precision_name(precision) + " plans with it alone";
 }
 
 }  // namespace

@@ -38,9 +38,9 @@ void check_train_options(const TrainOptions& o, const Workload& w) {
                "each of the " + std::to_string(world) + " ranks needs at least one sample");
   const BatchSlice local = rank_slice(o.step.batch, o.distributed.rank, world);
   check_option(o.step.micro_batch >= 0 && o.step.micro_batch <= local.length, "micro_batch", o.step.micro_batch,
-               world == 1 ? "expected 0 (planned) or 1 to batch (" + std::to_string(o.step.batch) + ")"
-                          : "expected 0 (planned) or 1 to this rank's share of batch (" + std::to_string(local.length) +
-                                " of " + std::to_string(o.step.batch) + " over " + std::to_string(world) + " ranks)");
+               world == 1 ? "expected 1 to batch (" + std::to_string(o.step.batch) + ")"
+                          : "expected 1 to this rank's share of batch (" + std::to_string(local.length) + " of " +
+                                std::to_string(o.step.batch) + " over " + std::to_string(world) + " ranks)");
   const StateUse state{!o.save_dir.empty(), !o.resume_dir.empty()};
   check_strategy_options(o.distributed, o.step, o.pin_precision, o.pin_checkpoint, state, w.chain->size());
   check_option(o.budget_bytes > 0 || (o.step.micro_batch == 0 && !o.pin_checkpoint), "budget", "(none)",

@@ -100,7 +100,7 @@ std::string load_bible_text() {
   if (status != 0 || raw.size() < 1000000) {
     throw std::runtime_error(
         "cannot read the King James Bible: install Debian's bible-kjv and bible-kjv-text "
-        "(bash scripts/setup.sh does), or pass --data FILE");
+        "(bash scripts/setup.sh does), or give `data` a text file of your own");
   }
   // Lines look like "Ge1:1 In the beginning ...": keep the verse text only.
   std::string text;
