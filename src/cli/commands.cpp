@@ -142,7 +142,7 @@ int run_plan_command(WorkloadFlags& wf, const StepFlags& sf, const PlanFlags& f)
   o.cache = profile_cache_options(sf);
   w.chain->to(o.request.step.device);
   const Batch batch = w.data->train_batch(0, o.request.step.batch, w.seed).to(o.request.step.device);
-  PlanJob job(w, batch, std::move(o), *tracker);
+  PlanJob job(w, [&batch] { return batch; }, std::move(o), *tracker);
   const auto t1 = std::chrono::steady_clock::now();
   Plan plan = job.plan();
   const double solve_s = seconds_since(t1);

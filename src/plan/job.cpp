@@ -32,12 +32,12 @@ Plan plan_timing_as_needed(Planner& planner, int64_t budget_bytes, const ChainTi
   return plan;
 }
 
-PlanJob::PlanJob(Workload& workload, Batch batch, PlanJobOptions options, MemoryTracker& tracker,
+PlanJob::PlanJob(Workload& workload, BatchSource batch, PlanJobOptions options, MemoryTracker& tracker,
                  const CompleteRequest& complete)
     : workload_(workload), batch_(std::move(batch)), options_(std::move(options)), tracker_(tracker) {
   if (options_.optimized.empty()) options_.optimized = workload_.chain->parameters();
   const RngState rng = capture_rng(options_.request.step.device);
-  MeasuredCosts costs = measure_costs(workload_, batch_, options_.precisions, options_.request.step.optimizer,
+  MeasuredCosts costs = measure_costs(workload_, batch_(), options_.precisions, options_.request.step.optimizer,
                                       options_.optimized, tracker_, options_.cache, source_);
   restore_rng(rng);
   PlanRequest request = options_.request;
@@ -57,14 +57,14 @@ Plan PlanJob::plan(int64_t budget_bytes) {
 ChainTimer PlanJob::timer() {
   if (!options_.time_micro_batches) return {};
   return [this](Precision precision, const std::vector<int64_t>& sizes, const TimingReference& reference) {
-    return time_plain_chain(workload_, batch_, precision, sizes, reference, tracker_);
+    return time_plain_chain(workload_, batch_(), precision, sizes, reference, tracker_);
   };
 }
 
 bool PlanJob::add_precision_if_missing(Precision precision) {
   if (planner_->profiled(precision)) return false;
   const RngState rng = capture_rng(options_.request.step.device);  // profiling draws dropout masks
-  planner_->add_precision(profile_precision(workload_, batch_, precision, tracker_));
+  planner_->add_precision(profile_precision(workload_, batch_(), precision, tracker_));
   restore_rng(rng);
   return true;
 }
@@ -92,7 +92,7 @@ Planner measure_and_plan(Workload& w, const Batch& batch, const std::vector<Prec
   o.request = std::move(request);
   o.optimized = std::move(optimized);
   o.cache = cache;
-  PlanJob job(w, batch, std::move(o), tracker);
+  PlanJob job(w, [&batch] { return batch; }, std::move(o), tracker);
   if (source != nullptr) *source = job.source();
   return std::move(job.planner());
 }

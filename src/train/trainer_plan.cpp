@@ -23,7 +23,7 @@ void Trainer::Impl::make_plan_job() {
   o.time_micro_batches = strategy->times_micro_batches_alone();
   const StateUse state{!options.save_dir.empty(), !options.resume_dir.empty()};
   auto whole = strategy->whole_model();  // measured as one process runs it (before the budget)
-  plan.job.emplace(workload, local_batch(record.start_step), std::move(o), *memory->tracker,
+  plan.job.emplace(workload, [this] { return local_batch(record.start_step); }, std::move(o), *memory->tracker,
                    [&](PlanRequest& request, const MeasuredCosts& costs) { strategy->add_to_plan_request(request, costs, state); });
 }
 

@@ -56,12 +56,15 @@ struct PlanJobOptions {
 
 class PlanJob {
  public:
+  // The batch measured and timed (one rank's), made when needed and let go after: a batch held
+  // between uses would count against the budget of the steps that follow.
+  using BatchSource = std::function<Batch()>;
   // Adds to the request what depends on the measured costs (a strategy's per-rank bytes).
   using CompleteRequest = std::function<void(PlanRequest& request, const MeasuredCosts& costs)>;
-  // Measures the costs of `workload` on `batch` (one rank's) or reads them from the cache, and
-  // builds the Planner. `tracker` must be installed on this thread; the random stream is left
-  // as it was (measuring draws dropout masks).
-  PlanJob(Workload& workload, Batch batch, PlanJobOptions options, MemoryTracker& tracker,
+  // Measures the costs of `workload` on `batch()` or reads them from the cache, and builds the
+  // Planner. `tracker` must be installed on this thread; the random stream is left as it was
+  // (measuring draws dropout masks).
+  PlanJob(Workload& workload, BatchSource batch, PlanJobOptions options, MemoryTracker& tracker,
           const CompleteRequest& complete = {});
 
   // The plan for `budget_bytes` (0: the request's), its micro-batches timed as needed; the
@@ -79,7 +82,7 @@ class PlanJob {
   ChainTimer timer();
 
   Workload& workload_;
-  Batch batch_;
+  BatchSource batch_;
   PlanJobOptions options_;
   MemoryTracker& tracker_;
   CostsSource source_;
