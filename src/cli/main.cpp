@@ -158,15 +158,15 @@ int dispatch(const std::function<int()>& command) {
 
 int main(int argc, char** argv) {
   // OpenMP threads that spin while they wait take the cores the work needs on small machines,
-  // and make every time the planner measures noisy (on 2 cores a plan's predicted step time was
-  // 0.39x and measured 1.66x; with passive waiting 1.35x and 1.34x). libgomp reads the policy
+  // and make every time the planner measures noisy (a plan's predicted step time off by a
+  // factor of four on 2 cores; with passive waiting, within a few percent). libgomp reads the policy
   // only when it is loaded, so memfit restarts itself once with it set, unless the user chose.
   if (std::getenv("OMP_WAIT_POLICY") == nullptr && setenv("OMP_WAIT_POLICY", "PASSIVE", 1) == 0) {
     execv("/proc/self/exe", argv);  // returns only on failure: then run on as we are
   }
   // Freed tensor memory stays in this process (as a GPU caching allocator keeps it) instead of
-  // going back to the kernel and being page-faulted in again on the next step: on 2 cores that
-  // took up to a third of a step as system time. Allocated bytes, which memfit counts and
+  // going back to the kernel and being page-faulted in again on the next step: on small
+  // machines that costs up to a third of a step as system time. Allocated bytes, which memfit counts and
   // budgets, are unchanged. (bench/quiet_env.sh sets the same for both sides of benchmarks.)
   mallopt(M_MMAP_THRESHOLD, 1 << 30);
   mallopt(M_TRIM_THRESHOLD, std::numeric_limits<int>::max());

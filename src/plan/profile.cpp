@@ -30,8 +30,8 @@ struct RunSize {
 // Forward + backward of the plain chain (or with every block recomputed) on the first m
 // samples: its seconds, and its peak above the live bytes at its start. Gradients are left
 // in place between runs, as between a step's micro-batches: all but a step's first
-// micro-batch add into gradients already there (GPT 8x256 bf16, one sample: 0.080 s against
-// 0.070 s with none), so a micro-batch smaller than the batch is timed accumulating.
+// micro-batch add into gradients already there, which takes measurably longer than writing
+// fresh ones, so a micro-batch smaller than the batch is timed accumulating.
 struct ChainRun {
   Workload& workload;
   const Batch& batch;
@@ -69,8 +69,8 @@ struct ChainRun {
   // A first run of each size as in a step, paying for first use (oneDNN builds kernels per
   // shape). A first run of kMinTimedSeconds or more is kept as the size's first timed run:
   // what first use adds (milliseconds of kernel builds) is small beside it, and a first run
-  // slower than the rest is outvoted by the median. Whole batches here take 1.5 s a run (the
-  // default GPT on an AMD EPYC), and a wasted one was a sixth of planning.
+  // slower than the rest is outvoted by the median. A whole batch may take seconds a run, and
+  // throwing one away would be a large share of planning.
   std::vector<std::vector<double>> first_uses(const std::vector<RunSize>& sizes) {
     ensure_gradients();
     std::vector<std::vector<double>> kept(sizes.size());
@@ -83,13 +83,12 @@ struct ChainRun {
   // The median of an odd number of runs as in a step of each size, each having run before
   // (the first run at a new size pays for first use: oneDNN builds kernels per shape), their
   // runs alternating: a typical run's time, as a step's median is, and a burst of slowness
-  // (seconds long on the 2-core machines here) falls on every size alike, not on one. Every
-  // timed point takes this one statistic: a fastest-of-two point beside medians looked faster
-  // than its neighbours on a machine whose noise only slows runs, and plans drifted to its size
-  // (session 8). A size runs three times, and more (up to kMaxTimedRuns) until its runs add up
-  // to kMinTimedSeconds: a short run meets the machine's hiccups as often as a long one but
-  // weighs them more (the CNN's 2 samples, 20 ms a run, timed 8% faster per sample than 8 once
-  // in a plan's timing and 10% slower in most; 2 x 8 was planned, and ran 1.11x 8 x 2).
+  // (seconds long on a small shared machine) falls on every size alike, not on one. Every
+  // timed point takes this one statistic: a fastest-of-two point beside medians looks faster
+  // than its neighbours on a machine whose noise only slows runs, and draws plans to its size.
+  // A size runs three times, and more (up to kMaxTimedRuns) until its runs add up to
+  // kMinTimedSeconds: a short run meets the machine's hiccups as often as a long one but weighs
+  // them more, and one fast timing of a tiny micro-batch would draw plans to it.
   static constexpr size_t kMinTimedRuns = 3;
   static constexpr size_t kMaxTimedRuns = 9;
   static constexpr double kMinTimedSeconds = 0.25;
@@ -134,7 +133,7 @@ std::pair<int64_t, int64_t> profiled_sizes(int64_t batch) {
 // The time model's points at a and b (see profile.h), both having run before (b first): the
 // median of three or more runs as in a step each, alternating.
 // Above b, a CPU's time starts as the line continued: a first guess, timed when a plan would
-// run such a size (the planner's plan_timing_as_needed). Elsewhere (a GPU's occupancy bends
+// run such a size (plan_timing_as_needed, job.h). Elsewhere (a GPU's occupancy bends
 // the line) the whole batch runs once with every block recomputed (little memory), and the
 // forward without grad that recomputing adds (its share measured on the blocks at b) is taken
 // out again.
@@ -277,9 +276,9 @@ ChainProfile profile_chain(Workload& w, const Batch& batch, int64_t m, Precision
 namespace {
 
 // A mixed precision that runs this many times slower than the baseline is not profiled: on a
-// CPU without bf16 instructions (AMD EPYC here) bf16 autocast ran the default GPT 17x slower
-// than fp32, and profiling it took 48 of 54 s; no plan of it can be the fastest while the
-// baseline fits (recomputing everything costs well under 3x).
+// CPU without bf16 instructions bf16 autocast runs many times slower than fp32, and profiling
+// it would take most of planning; no plan of it can be the fastest while the baseline fits
+// (recomputing everything costs well under 3x).
 constexpr double kSlowPrecisionRatio = 3.0;
 
 // How many times slower `precision` runs the baseline's heaviest block (by its forward +
