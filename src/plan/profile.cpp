@@ -283,9 +283,10 @@ constexpr double kSlowPrecisionRatio = 3.0;
 
 // How many times slower `precision` runs the baseline's heaviest block (by its forward +
 // backward at half the batch) than the baseline does, on one sample, each warm: the best of
-// two runs after a first use. One sample of one block costs little even where the precision
-// is slow; tiny shapes weigh per-call costs more, which only brings the ratio nearer 1 (so a
-// precision is profiled in doubt).
+// three runs after a first use, the two precisions alternating (a busy spell on a shared
+// machine must not fall on one of them only). One sample of one
+// block costs little even where the precision is slow; tiny shapes weigh per-call costs more,
+// which only brings the ratio nearer 1 (so a precision is profiled in doubt).
 struct Slowdown {
   double ratio = 1.0;
   int block = 0;
@@ -305,17 +306,17 @@ Slowdown probe_slowdown(Workload& w, const Batch& batch, const PrecisionProfile&
     Autocast autocast(x.device().type(), baseline.precision);
     x = w.chain->run_blocks(x, 0, i - 1);
   }
-  const auto best_of_two = [&](Precision p) {
-    run_block(w, i, x, one.target, p, tracker);  // first use
-    double best = std::numeric_limits<double>::infinity();
-    for (int run = 0; run < 2; ++run) {
-      const BlockCost c = run_block(w, i, x, one.target, p, tracker).cost;
-      best = std::min(best, c.forward_seconds + c.backward_seconds);
-    }
-    return best;
+  const auto seconds = [&](Precision p) {
+    const BlockCost c = run_block(w, i, x, one.target, p, tracker).cost;
+    return c.forward_seconds + c.backward_seconds;
   };
-  const double base = best_of_two(baseline.precision);
-  const double slow = best_of_two(precision);
+  seconds(baseline.precision);  // first uses
+  seconds(precision);
+  double base = std::numeric_limits<double>::infinity(), slow = base;
+  for (int run = 0; run < 3; ++run) {  // alternating: a busy spell slows both alike
+    base = std::min(base, seconds(baseline.precision));
+    slow = std::min(slow, seconds(precision));
+  }
   restore_rng(rng);
   return {base > 0 ? slow / base : 1.0, i};
 }
