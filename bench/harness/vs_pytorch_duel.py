@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """memfit's plan against the fastest PyTorch grid point that fits, head to head (issue 16).
 
-bench/vs_pytorch.sh --duel R runs the PyTorch grid once (accumulation x checkpoint_sequential
+bench/harness/vs_pytorch.sh --duel R runs the PyTorch grid once (accumulation x checkpoint_sequential
 segments x precision, each point one process), then this script. One pass over the grid is not
 enough to compare within a few percent on a machine whose speed drifts in bursts lasting
 seconds (a whole run can sit inside one), so for each budget (shares of PyTorch eager's peak)
@@ -13,7 +13,7 @@ and each mode (fp32 only; mixed precision allowed):
   - memfit's side is `memfit train --budget B --precision fp32|auto`: planned by memfit itself
     (no trial runs; the profile cache, filled by `memfit plan` for every row first, holds the
     sizes each plan timed);
-  - memfit's run and its candidates run in lockstep (bench/lockstep.py): each process starts
+  - memfit's run and its candidates run in lockstep (bench/harness/lockstep.py): each process starts
     and warms up alone, then they take turns of a few steps while the others are stopped, so
     every comparison is between steps seconds apart; rows with the same memfit plan and the
     same candidates share one lockstep run;
@@ -22,7 +22,7 @@ and each mode (fp32 only; mixed precision allowed):
     ratio is the median over --turns turns. Goals: <= 1.02x, and <= 0.95x where the fastest
     candidate recomputes (checkpoint_sequential).
 
-    python3 bench/vs_pytorch_duel.py --jsonl GRID.jsonl --twin-args FILE --memfit-args FILE
+    python3 bench/harness/vs_pytorch_duel.py --jsonl GRID.jsonl --twin-args FILE --memfit-args FILE
         [--memfit build/memfit] [--threads 1] [--turns 16] [--md OUT.md]
 
 --twin-args / --memfit-args: files with one argument per line, naming the model on each side
@@ -153,7 +153,7 @@ def main():
 
 def print_table(a, eager, rows):
     lines = [f"command: {a.command}" if a.command else "",
-             f"memfit's run and its PyTorch candidates in lockstep (bench/lockstep.py), {a.turns} turns of "
+             f"memfit's run and its PyTorch candidates in lockstep (bench/harness/lockstep.py), {a.turns} turns of "
              f"{a.steps_per_turn} step lines each ({a.steps_per_turn - 2} timed); times are medians over turns of each "
              f"process's median step in the turn, the ratio the median over turns of memfit's time over the fastest "
              f"candidate's in that turn (quartiles in brackets); PyTorch eager's peak {eager['peak_bytes']} B; "

@@ -18,7 +18,7 @@ taken turn by turn (seconds apart) and their median over turns is the result.
 Any command that prints one line per finished step, flushed, works: `memfit train` (its
 progress lines, "step K/N") and `pytorch_twin.py --stream` ("step K ...").
 
-    python3 bench/lockstep.py --turns 12 --steps-per-turn 4 -- 'CMD A' 'CMD B' ...
+    python3 bench/harness/lockstep.py --turns 12 --steps-per-turn 4 -- 'CMD A' 'CMD B' ...
 
 prints each command's median step and its ratio to the first command's, turn by turn.
 """
@@ -129,7 +129,7 @@ def main():
     ap.add_argument("--warmup", type=int, default=2, help="step lines each command runs alone first")
     ap.add_argument("commands", nargs="+", help="shell-quoted commands; the first is the reference")
     a = ap.parse_args()
-    print("command: python3 bench/lockstep.py --turns %d --steps-per-turn %d --skip %d --warmup %d -- %s"
+    print("command: python3 bench/harness/lockstep.py --turns %d --steps-per-turn %d --skip %d --warmup %d -- %s"
           % (a.turns, a.steps_per_turn, a.skip, a.warmup, " ".join(shlex.quote(c) for c in a.commands)))
     samples, _ = run_lockstep([shlex.split(c) for c in a.commands], a.turns, a.steps_per_turn, a.skip, a.warmup,
                               on_turn=lambda t: print("turn %d/%d" % (t + 1, a.turns), file=sys.stderr))

@@ -4,15 +4,15 @@
 # repeats exactly for the same binary and inputs, whatever else the machine runs, so a 2% goal
 # can be checked where timing noise is larger than 2%.
 #
-#   bash bench/tracker_instructions.sh [--build DIR] [-- tracker_overhead flags]
+#   bash bench/harness/tracker_instructions.sh [--build DIR] [-- tracker_overhead flags]
 #
 # The steps' own instructions are isolated by difference: a run of 1 + N steps minus a run of
 # 1 + 0 steps (model building, data, the warm-up step and exit cancel out), with and without
 # the tracker; one thread (callgrind runs threads one at a time anyway).
 set -euo pipefail
 here=$(cd "$(dirname "$0")" && pwd)
-build=$(dirname "$here")/build
-command="bash bench/tracker_instructions.sh"
+build=$(cd "$here/../.." && pwd)/build
+command="bash bench/harness/tracker_instructions.sh"
 (($#)) && command+=$(printf ' %q' "$@")
 if [[ ${1:-} == --build ]]; then build=$2; shift 2; fi
 [[ ${1:-} == -- ]] && shift

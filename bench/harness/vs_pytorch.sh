@@ -1,12 +1,12 @@
 #!/usr/bin/env bash
 # memfit vs PyTorch, side by side, in one run on one machine: the PyTorch twin
-# (bench/pytorch_twin.py) over the grid of configurations a PyTorch user can hand-pick —
+# (bench/harness/pytorch_twin.py) over the grid of configurations a PyTorch user can hand-pick —
 # gradient accumulation x checkpoint_sequential segments x {fp32, bf16 autocast} — then memfit
 # (bench/vs_pytorch_memfit: its plain step, its plans at 100/90/70/50/35% of PyTorch eager's
 # measured peak, and the micro-batching row), same threads on both sides;
-# then bench/vs_pytorch_table.py writes the table and the plot.
+# then bench/harness/vs_pytorch_table.py writes the table and the plot.
 #
-#   bash bench/vs_pytorch.sh [--model gpt|cnn|FILE.pt] [--threads N] [--steps N] [--out DIR] [--build DIR]
+#   bash bench/harness/vs_pytorch.sh [--model gpt|cnn|FILE.pt] [--threads N] [--steps N] [--out DIR] [--build DIR]
 #                            [--segments "2 4 8"] [--accum "1 2 4"] [--precisions "fp32 bf16"]
 #                            [--data FILE --loss KIND --eager PY:FUNCTION] [-- MODEL FLAGS]
 #
@@ -17,7 +17,7 @@
 #               without --eager the TorchScript file itself from Python. No bf16 row.
 #   --threads   torch, OpenMP and OpenBLAS threads on both sides (default 2)
 #   --steps     timed steps per variant; times are their medians (default 5)
-#   --out       where vs_pytorch_<model>.{jsonl,md,svg} go (default: bench/)
+#   --out       where vs_pytorch_<model>.{jsonl,md,svg} go (default: bench/results/)
 #   --build     memfit's build directory (default: build), holding bench/vs_pytorch_memfit
 #   --segments  the grid's checkpoint_sequential segment counts besides none (default: 2, 4, 8
 #               and the number of blocks after the first, those not above it)
@@ -26,7 +26,7 @@
 #               (--base-rounds N times, default 3), then their time ratio and peaks; no grid, no plans
 #   --duel T    after the grid pass, head to head instead of the one-pass table: for each
 #               budget and mode, memfit's `memfit train` against the fastest fitting grid
-#               points, in lockstep, T turns (bench/vs_pytorch_duel.py, bench/lockstep.py;
+#               points, in lockstep, T turns (bench/harness/vs_pytorch_duel.py, bench/harness/lockstep.py;
 #               writes vs_pytorch_duel_<model>.md)
 #   --precisions  the grid's precisions (default: fp32 bf16; a variant the model cannot run is a
 #               row with its error)
@@ -34,16 +34,16 @@
 #               --blocks --channels (cnn), --batch, --seed
 #
 # Example (a tiny smoke run; the real comparison uses the defaults on an idle machine):
-#   bash bench/vs_pytorch.sh --steps 2 --out /tmp/vs -- --layers 2 --d-model 64 --heads 8 --seq 32
-# The user's model (bench/user_models.py exports a GPT and a BatchNorm CNN from Python):
-#   /usr/bin/python3 bench/user_models.py /tmp/um
-#   bash bench/vs_pytorch.sh --model /tmp/um/gpt.pt --data /tmp/um/gpt_data.pt --eager bench/user_models.py:gpt
+#   bash bench/harness/vs_pytorch.sh --steps 2 --out /tmp/vs -- --layers 2 --d-model 64 --heads 8 --seq 32
+# The user's model (bench/harness/user_models.py exports a GPT and a BatchNorm CNN from Python):
+#   /usr/bin/python3 bench/harness/user_models.py /tmp/um
+#   bash bench/harness/vs_pytorch.sh --model /tmp/um/gpt.pt --data /tmp/um/gpt_data.pt --eager bench/harness/user_models.py:gpt
 set -euo pipefail
 here=$(cd "$(dirname "$0")" && pwd)
-root=$(dirname "$here")
-command="bash bench/vs_pytorch.sh"
+root=$(cd "$here/../.." && pwd)
+command="bash bench/harness/vs_pytorch.sh"
 (($#)) && command+=$(printf ' %q' "$@")
-model=gpt threads=2 steps=5 out=$here build=$root/build segments="" data="" loss=cross-entropy eager=""
+model=gpt threads=2 steps=5 out=$root/bench/results build=$root/build segments="" data="" loss=cross-entropy eager=""
 accums="" precisions="fp32 bf16" base_only=0 rounds=3 duel=0
 while (($#)); do
   case $1 in

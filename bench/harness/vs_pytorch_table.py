@@ -1,10 +1,10 @@
 #!/usr/bin/python3
-"""Combines bench/vs_pytorch.sh's JSON lines into a Markdown table and an SVG plot.
+"""Combines bench/harness/vs_pytorch.sh's JSON lines into a Markdown table and an SVG plot.
 
-    /usr/bin/python3 bench/vs_pytorch_table.py RESULTS.jsonl --model gpt --command "bash bench/vs_pytorch.sh ..." \
-        --md bench/vs_pytorch_gpt.md --svg bench/vs_pytorch_gpt.svg
+    /usr/bin/python3 bench/harness/vs_pytorch_table.py RESULTS.jsonl --model gpt --command "bash bench/harness/vs_pytorch.sh ..." \
+        --md bench/results/vs_pytorch_gpt.md --svg bench/results/vs_pytorch_gpt.svg
 
-Input: one JSON object per line, from bench/pytorch_twin.py --json (no "side" key; variants
+Input: one JSON object per line, from bench/harness/pytorch_twin.py --json (no "side" key; variants
 eager or parts joined by "+": accum:K, ckpt_seq:S, autocast_bf16 — the peer grid; a row with
 "error" is a variant the model could not run) and from bench/vs_pytorch_memfit ("side": "memfit"; variants
 plain, fp32_plan, mixed_plan, microbatch). Budgets are the distinct budget_bytes of the memfit

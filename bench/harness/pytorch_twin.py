@@ -3,8 +3,8 @@
 
 Run with Debian's interpreter (it has python3-torch 1.13):
 
-    /usr/bin/python3 bench/pytorch_twin.py --model gpt --variant eager --threads 2 --steps 5 --json
-    /usr/bin/python3 bench/pytorch_twin.py --model cnn --params-only
+    /usr/bin/python3 bench/harness/pytorch_twin.py --model gpt --variant eager --threads 2 --steps 5 --json
+    /usr/bin/python3 bench/harness/pytorch_twin.py --model cnn --params-only
 
 Models (parameter counts equal memfit's C++ models, src/models/gpt.cpp and vision.cpp):
   gpt  [embed, attn0, mlp0, ..., attn{L-1}, mlp{L-1}, head], character level on the King James
@@ -14,7 +14,7 @@ Models (parameter counts equal memfit's C++ models, src/models/gpt.cpp and visio
        (/usr/share/datasets/fashion-mnist), normalized (x/255 - 0.2860) / 0.3530.
 
 Variants: a configuration a PyTorch user can hand-pick, parts joined by "+", e.g.
-"accum:4+ckpt_seq:3+autocast_bf16" (bench/vs_pytorch.sh runs the grid of them):
+"accum:4+ckpt_seq:3+autocast_bf16" (bench/harness/vs_pytorch.sh runs the grid of them):
   eager          plain forward/backward (alone: no other part).
   accum:K        gradient accumulation: the batch in K micro-batches of batch/K samples, each
                  loss divided by K and back-propagated before the next runs (K divides --batch).
@@ -122,7 +122,7 @@ def parse_args(argv=None):
     p.add_argument("--params-only", action="store_true", help="print only the parameter count")
     p.add_argument("--stream", action="store_true",
                    help="no profiler, no JSON: train --steps steps, printing 'step K SECONDS' after each, "
-                        "flushed (bench/lockstep.py times processes by these lines)")
+                        "flushed (bench/harness/lockstep.py times processes by these lines)")
     a = p.parse_args(argv)
     try:
         a.parts = parse_variant(a.variant)

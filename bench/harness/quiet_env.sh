@@ -1,5 +1,5 @@
 # Sourced by the benchmark scripts (and worth sourcing before any timing by hand):
-#   source bench/quiet_env.sh
+#   source bench/harness/quiet_env.sh
 # On these 2-core machines two things otherwise take about a third of a training step's time,
 # as system time, and make step times vary by +-20% from run to run:
 #  - OpenMP's spin-waiting threads (libgomp's default), competing with the threads doing work;

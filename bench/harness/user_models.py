@@ -4,11 +4,11 @@ exported the way memfit's README says (an nn.Sequential of blocks, torch.jit.scr
 of the data). The blocks are tests/torchscript/export_models.py's; the sizes here are a
 training step's, not a test's.
 
-    /usr/bin/python3 bench/user_models.py OUT_DIR
+    /usr/bin/python3 bench/harness/user_models.py OUT_DIR
 
 writes OUT_DIR/{gpt,cnn}.pt (TorchScript) and OUT_DIR/{gpt,cnn}_data.pt. The factories gpt()
-and cnn() build the same models as Python modules (bench/pytorch_twin.py --eager
-bench/user_models.py:gpt loads the TorchScript file's weights into them).
+and cnn() build the same models as Python modules (bench/harness/pytorch_twin.py --eager
+bench/harness/user_models.py:gpt loads the TorchScript file's weights into them).
 """
 import os
 import sys
@@ -16,7 +16,7 @@ import sys
 import torch
 import torch.nn as nn
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tests", "torchscript"))
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "tests", "torchscript"))
 from export_models import Block, Embed, Head, ResBlock  # noqa: E402
 
 # GPT-2-style, character level: [B, 128] token ids -> [B, 128, 96] logits; 6 blocks of d=256.

@@ -2,8 +2,8 @@
 # ZeRO 3 vs ZeRO 2 on 2 local ranks (c10d/Gloo over loopback): the median step time (rank 0's
 # log, the first 2 steps left out) and each rank's peak, the same model, batch, schedule
 # (every block recomputed, as stage 3 must) and budget for both, in alternating rounds.
-#   bench/zero3_step_time.sh build/memfit [ROUNDS] [model flags...]
-# Default model: the GPT of RESULTS.md's ZeRO 3 section.
+#   bench/harness/zero3_step_time.sh build/memfit [ROUNDS] [model flags...]
+# Default model: the GPT of bench/RESULTS.md's ZeRO 3 section.
 set -eu
 memfit=$(realpath "$1")
 rounds=${2:-1}

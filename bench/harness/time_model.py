@@ -9,7 +9,7 @@ This machine's speed drifts by tens of percent over minutes and in bursts of sec
 and steps run in one process, seconds apart, and the whole thing runs --rounds times,
 alternating; a row's error is the median of its rounds' errors.
 
-    source bench/quiet_env.sh && python3 bench/time_model.py [--memfit build/memfit] [--threads N] [--rounds R]
+    source bench/harness/quiet_env.sh && python3 bench/harness/time_model.py [--memfit build/memfit] [--threads N] [--rounds R]
 
 Budgets are shares of each shape's plain step as predicted by a first `memfit plan` (100%: no
 budget; lower ones make the plan micro-batch and recompute).
@@ -84,7 +84,7 @@ def main():
     ap.add_argument("--steps", type=int, default=8)
     ap.add_argument("--rounds", type=int, default=3)
     a = ap.parse_args()
-    print("command: python3 bench/time_model.py " + " ".join(sys.argv[1:]))
+    print("command: python3 bench/harness/time_model.py " + " ".join(sys.argv[1:]))
     print(f"{os.cpu_count()} cores, {a.threads} threads, {a.rounds} rounds\n")
     rows, plain_peaks = {}, {}
     with tempfile.TemporaryDirectory() as cache:
