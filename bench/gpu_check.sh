@@ -5,7 +5,7 @@
 # budget (`memfit plan`, which runs real steps). Within 8 minutes in all; everything goes to
 # one results file.
 #
-#   bash bench/harness/gpu_check.sh [RESULTS_FILE]          # default: gpu_check.txt
+#   bash bench/gpu_check.sh [RESULTS_FILE]          # default: gpu_check.txt
 #
 #   PYTHON=...                 the interpreter with PyTorch (default: the first of python3 and
 #                              /usr/bin/python3 that imports torch)
@@ -24,7 +24,7 @@
 # CUDA parts: the suite in the CUDA build, the caching allocator's counters as memfit reads them,
 # and a plan verified on the GPU (`--device cuda`).
 set -uo pipefail
-root=$(cd "$(dirname "$0")/../.." && pwd)
+root=$(cd "$(dirname "$0")/.." && pwd)
 results=$(realpath -m "${1:-gpu_check.txt}")
 build=$(realpath -m "${GPU_CHECK_BUILD_DIR:-$root/build-gpu-check}")
 jobs=${GPU_CHECK_JOBS:-$(nproc)}
