@@ -36,6 +36,15 @@ void print_report_peak(const Report& r) {
   if (p.autocast_cache > 0) fmt::print("    of which autocast weight casts {}\n", bytes_cell(p.autocast_cache));
 }
 
+// What the run would reserve on a CUDA device, under this LibTorch's caching allocator rules.
+void print_cuda_prediction(const CudaReservedPrediction& p) {
+  if (!p.valid) return;
+  const std::string conf = p.conf_text.empty() ? "defaults" : "PYTORCH_CUDA_ALLOC_CONF=" + p.conf_text;
+  fmt::print("On a CUDA device (LibTorch {} caching allocator, {}), predicted:\n", cuda_allocator_rules_name(p.rules), conf);
+  fmt::print("  {:<18}{}\n  {:<18}{}\n", "reserved peak", bytes_cell(p.peak_reserved), "allocated peak",
+             bytes_cell(p.peak_allocated));
+}
+
 void print_report_states(const Report& r) {
   const auto& a = r.analysis;
   if (!r.options.eval_only) {
@@ -51,6 +60,7 @@ void print_report_states(const Report& r) {
       fmt::print("CUDA: allocated {}, reserved {}\n", bytes_cell(m.allocated), bytes_cell(m.reserved));
     }
   }
+  print_cuda_prediction(r.cuda);
   fmt::print("\nPeak per phase:\n");
   for (Phase ph : {Phase::kForward, Phase::kBackward, Phase::kRecompute, Phase::kOptimizer, Phase::kEval}) {
     const int64_t v = r.phase_peak[static_cast<int>(ph)];
@@ -77,6 +87,20 @@ void print_report_states(const Report& r) {
 }
 
 
+// The verified steps on a CUDA device: reserved bytes predicted by the allocator model and, on
+// CUDA, measured by the allocator under the budget's fraction.
+void print_cuda_verification(const Verification& v) {
+  if (v.cuda.valid) {
+    fmt::print("  {:<28}{}  (LibTorch {} caching allocator{})\n", "reserved on CUDA, predicted",
+               bytes_cell(v.cuda.peak_reserved), cuda_allocator_rules_name(v.cuda.rules),
+               v.cuda.conf_text.empty() ? "" : ", " + v.cuda.conf_text);
+  }
+  if (v.on_cuda) {
+    fmt::print("  {:<28}{}  (max_memory_reserved; {} retries, {} out of memory)\n", "reserved on CUDA, measured",
+               bytes_cell(v.cuda_measured.peak_reserved), v.cuda_measured.num_alloc_retries, v.cuda_measured.num_ooms);
+  }
+}
+
 void print_plan_table(const Workload& w, const Plan& plan, const Verification* v, const nlohmann::json& j) {
   fmt::print("{}\n", w.description);
   fmt::print("Plan for a budget of {} ({} bytes; 3% kept free), batch {}:\n", format_bytes(plan.budget_bytes),
@@ -97,6 +121,7 @@ void print_plan_table(const Workload& w, const Plan& plan, const Verification* v
                      static_cast<double>(std::max<int64_t>(1, v->measured_peak)));
       fmt::print("  {:<28}{:.2f}x predicted, {:.2f}x measured\n", "step time vs plain step", plan.predicted_seconds / plain,
                  v->measured_seconds / std::max(1e-12, v->plain_seconds));
+      print_cuda_verification(*v);
     } else {
       fmt::print("  {:<28}{:.2f}x predicted\n", "step time vs plain step", plan.predicted_seconds / plain);
     }
@@ -117,6 +142,16 @@ int64_t parse_budget(const std::string& text) {
   }
 }
 
+// The device memory outside CUDA's caching allocator (zeros on other devices), measured before
+// the model is moved there.
+OutsideMemory outside_memory_on(const c10::Device& device) {
+  return device.is_cuda() ? measure_outside_memory(device.has_index() ? device.index() : 0) : OutsideMemory{};
+}
+
+nlohmann::json outside_json(const OutsideMemory& m) {
+  return {{"device_total", m.device_total}, {"context_and_others", m.context_and_others}, {"cublas", m.cublas}};
+}
+
 double seconds_since(std::chrono::steady_clock::time_point t0) {
   return std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
 }
@@ -135,11 +170,13 @@ int run_report_command(WorkloadFlags& wf, const StepFlags& sf, const ReportFlags
   o.eval_only = f.eval;
   o.world_size = f.world_size;
   o.zero_stage = f.zero_stage;
+  const OutsideMemory outside = outside_memory_on(o.step.device);
   w.chain->to(o.step.device);
   Report r = run_report(w, o);
   if (f.json) {
     nlohmann::json j = report_json(r);
     j["notes"] = w.notes;
+    if (o.step.device.is_cuda()) j["cuda_outside_bytes"] = outside_json(outside);
     std::cout << j.dump(2) << "\n";
   } else {
     for (const auto& n : w.notes) fmt::print("note: {}\n", n);
@@ -155,6 +192,7 @@ int run_report_command(WorkloadFlags& wf, const StepFlags& sf, const ReportFlags
 
 int run_plan_command(WorkloadFlags& wf, const StepFlags& sf, const PlanFlags& f) {
   check_option(!f.budget.empty(), "budget", "(none)", "a budget is required, e.g. --budget 300MiB");
+  check_option(f.verify_steps >= 2, "verify_steps", f.verify_steps, "expected 2 or more (the first step only warms up)");
   PlanRequest request;
   request.budget_bytes = parse_budget(f.budget);
   Workload w = build_workload(wf);
@@ -166,6 +204,8 @@ int run_plan_command(WorkloadFlags& wf, const StepFlags& sf, const PlanFlags& f)
   request.resident_bytes = std::max<int64_t>(0, BudgetAllocator::install().allocated() - tracker->current());
   request.step = step_config(sf, w.chain->size());
   request.checkpoint = pinned_checkpoint(sf.checkpoint, w.chain->size());
+  const OutsideMemory outside = outside_memory_on(request.step.device);
+  request.outside_bytes = outside.total();  // on CUDA it counts against the budget too
   const auto precisions = precision_candidates(sf.precision, request.step.device.type());
   w.chain->to(request.step.device);
   const Batch batch = w.data->train_batch(0, request.step.batch, w.seed).to(request.step.device);
@@ -181,8 +221,9 @@ int run_plan_command(WorkloadFlags& wf, const StepFlags& sf, const PlanFlags& f)
   if (timed > 0) store_costs(source, planner.measured_costs());  // the cache keeps the sizes timed
   Verification v;
   const bool verified = f.verify && plan.feasible;
-  if (verified) v = verify_plan(w, planner, plan, *tracker, /*measure_plain=*/true);
+  if (verified) v = verify_plan(w, planner, plan, *tracker, /*measure_plain=*/true, f.verify_steps);
   nlohmann::json j = verified ? verified_plan_json(plan, v) : plan_json(plan);
+  if (request.step.device.is_cuda()) j["cuda_outside_bytes"] = outside_json(outside);
   for (const auto& n : w.notes) j["notes"].push_back(n);
   j["profile_seconds"] = source.seconds;
   j["profile_cached"] = source.cached;

@@ -145,7 +145,8 @@ std::string flag_message(const OptionError& e) {
       {"distributed.world_size", "--world-size"}, {"distributed.rank", "--rank"}, {"distributed.master", "--master"},
       {"distributed.timeout", "--dist-timeout"}, {"save_every", "--save-every"}, {"eval_every", "--eval-every"}, {"progress_every", "--progress-every"},
       {"eval_batches", "--eval-batches"}, {"inject_oom", "--inject-oom"}, {"json_log", "--json-log"},
-      {"dump_weights", "--dump-weights"}, {"data", "--data"}, {"loss", "--loss"}};
+      {"dump_weights", "--dump-weights"}, {"data", "--data"}, {"loss", "--loss"},
+      {"verify_steps", "--verify-steps"}};
   const auto it = flags.find(e.option());
   if (it == flags.end()) return e.what();
   return "invalid " + it->second + " " + e.value() + ": " + e.expected();
