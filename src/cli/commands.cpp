@@ -206,6 +206,7 @@ int run_plan_command(WorkloadFlags& wf, const StepFlags& sf, const PlanFlags& f)
   request.checkpoint = pinned_checkpoint(sf.checkpoint, w.chain->size());
   const OutsideMemory outside = outside_memory_on(request.step.device);
   request.outside_bytes = outside.total();  // on CUDA it counts against the budget too
+  if (request.step.device.is_cuda()) request.resident_bytes = 0;  // the data stays in host memory
   const auto precisions = precision_candidates(sf.precision, request.step.device.type());
   w.chain->to(request.step.device);
   const Batch batch = w.data->train_batch(0, request.step.batch, w.seed).to(request.step.device);

@@ -115,3 +115,18 @@ for bad in "max_split_size_mb:ten" "expandable_segments" "no_such_option:1"; do
     { echo "not one line naming PYTORCH_CUDA_ALLOC_CONF=$bad:"; cat "$dir/err"; exit 1; }
 done
 echo "cli report cuda reserved: 1 passed, 0 failed"
+
+# A verified plan says the same of its steps (their trace replayed); --verify-steps is checked first.
+"$memfit" plan --layers 2 --d-model 64 --heads 4 --seq 32 --batch 8 --budget 3MiB --verify-steps 4 --json > "$dir/plan.json"
+"${MEMFIT_TEST_PYTHON:-/usr/bin/python3}" - "$dir/plan.json" <<'PY'
+import json, sys
+j = json.load(open(sys.argv[1]))
+assert j["feasible"] and j["measured"]["steps"] == 4, j.get("measured")
+assert j["cuda_reserved_peak_bytes"] >= j["cuda_allocated_peak_bytes"] > 0, j
+assert j["cuda_reserved_peak_bytes"] % (2 << 20) == 0 and j["cuda_allocator_rules"] in ("1.13", "2.x")
+PY
+if "$memfit" plan --layers 2 --d-model 64 --heads 4 --seq 32 --batch 8 --budget 3MiB --verify-steps 1 > "$dir/out" 2> "$dir/err" ||
+   [ "$(wc -l < "$dir/err")" -ne 1 ] || ! grep -q -- "--verify-steps 1" "$dir/err"; then
+  echo "--verify-steps 1 not refused in one line:"; cat "$dir/err"; exit 1
+fi
+echo "cli plan cuda reserved: 1 passed, 0 failed"
