@@ -6,9 +6,14 @@
 #include "memfit/digest.h"
 #include "memfit/errors.h"
 
-// measure/: exact bytes from the allocator, the hard budget, where the bytes go.
+// measure/: exact bytes from the allocator, the hard budget, where the bytes go, and what a
+// CUDA device would reserve (its caching allocator modelled; its budget enforced).
 #include "memfit/measure/breakdown.h"
 #include "memfit/measure/budget_allocator.h"
+#include "memfit/measure/cuda_allocator_conf.h"
+#include "memfit/measure/cuda_allocator_model.h"
+#include "memfit/measure/cuda_budget.h"
+#include "memfit/measure/cuda_reserved.h"
 #include "memfit/measure/memory_tracker.h"
 #include "memfit/measure/size.h"
 

@@ -39,6 +39,15 @@ void print_report_peak(const Report& r) {
   if (p.autocast_cache > 0) fmt::print("    of which autocast weight casts {}\n", bytes_cell(p.autocast_cache));
 }
 
+// What the run would reserve on a CUDA device, under this LibTorch's caching allocator rules.
+void print_cuda_prediction(const CudaReservedPrediction& p) {
+  if (!p.valid) return;
+  const std::string conf = p.conf_text.empty() ? "defaults" : "PYTORCH_CUDA_ALLOC_CONF=" + p.conf_text;
+  fmt::print("On a CUDA device (LibTorch {} caching allocator, {}), predicted:\n", cuda_allocator_rules_name(p.rules), conf);
+  fmt::print("  {:<18}{}\n  {:<18}{}\n", "reserved peak", bytes_cell(p.peak_reserved), "allocated peak",
+             bytes_cell(p.peak_allocated));
+}
+
 void print_report_states(const Report& r) {
   const auto& a = r.analysis;
   if (!r.options.eval_only) {
@@ -54,6 +63,7 @@ void print_report_states(const Report& r) {
       fmt::print("CUDA: allocated {}, reserved {}\n", bytes_cell(m.allocated), bytes_cell(m.reserved));
     }
   }
+  print_cuda_prediction(r.cuda);
   fmt::print("\nPeak per phase:\n");
   for (Phase ph : {Phase::kForward, Phase::kBackward, Phase::kRecompute, Phase::kOptimizer, Phase::kEval}) {
     const int64_t v = r.phase_peak[static_cast<int>(ph)];
@@ -88,6 +98,22 @@ int64_t parse_budget(const std::string& text) {
   }
 }
 
+// The device memory outside CUDA's caching allocator (zeros on other devices), measured before
+// the model is moved there.
+OutsideMemory outside_memory_on(const c10::Device& device) {
+  return device.is_cuda() ? measure_outside_memory(device.has_index() ? device.index() : 0) : OutsideMemory{};
+}
+
+nlohmann::json outside_json(const OutsideMemory& m) {
+  return {{"device_total", m.device_total}, {"context_and_others", m.context_and_others}, {"cublas", m.cublas}};
+}
+
+std::vector<std::string> block_names(const Chain& chain) {
+  std::vector<std::string> names;
+  for (int i = 0; i < chain.size(); ++i) names.push_back(chain.block(i).name);
+  return names;
+}
+
 double seconds_since(std::chrono::steady_clock::time_point t0) {
   return std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
 }
@@ -106,11 +132,13 @@ int run_report_command(WorkloadFlags& wf, const StepFlags& sf, const ReportFlags
   o.eval_only = f.eval;
   o.world_size = f.world_size;
   o.zero_stage = f.zero_stage;
+  const OutsideMemory outside = outside_memory_on(o.step.device);
   w.chain->to(o.step.device);
   Report r = run_report(w, o);
   if (f.json) {
     nlohmann::json j = report_json(r);
     j["notes"] = w.notes;
+    if (o.step.device.is_cuda()) j["cuda_outside_bytes"] = outside_json(outside);
     std::cout << j.dump(2) << "\n";
   } else {
     for (const auto& n : w.notes) fmt::print("note: {}\n", in_flag_terms(n));
@@ -126,6 +154,7 @@ int run_report_command(WorkloadFlags& wf, const StepFlags& sf, const ReportFlags
 
 int run_plan_command(WorkloadFlags& wf, const StepFlags& sf, const PlanFlags& f) {
   check_option(!f.budget.empty(), "budget", "(none)", "a budget is required, e.g. --budget 300MiB");
+  check_option(f.verify_steps >= 2, "verify_steps", f.verify_steps, "expected 2 or more (the first step only warms up)");
   const int64_t budget = parse_budget(f.budget);
   Workload w = build_workload(wf);
   auto tracker = std::make_shared<MemoryTracker>();
@@ -138,6 +167,9 @@ int run_plan_command(WorkloadFlags& wf, const StepFlags& sf, const PlanFlags& f)
   o.request.resident_bytes = std::max<int64_t>(0, BudgetAllocator::install().allocated() - tracker->current());
   o.request.step = step_config(sf, w.chain->size());
   o.request.checkpoint = pinned_checkpoint(sf.checkpoint, w.chain->size());
+  const OutsideMemory outside = outside_memory_on(o.request.step.device);
+  o.request.outside_bytes = outside.total();  // on CUDA it counts against the budget too
+  if (o.request.step.device.is_cuda()) o.request.resident_bytes = 0;  // the data stays in host memory
   o.precisions = precision_candidates(sf.precision, o.request.step.device.type());
   o.cache = profile_cache_options(sf);
   w.chain->to(o.request.step.device);
@@ -148,7 +180,7 @@ int run_plan_command(WorkloadFlags& wf, const StepFlags& sf, const PlanFlags& f)
   const double solve_s = seconds_since(t1);
   Verification v;
   const bool verified = f.verify && plan.feasible;
-  if (verified) v = verify_plan(w, job.planner(), plan, *tracker, /*measure_plain=*/true);
+  if (verified) v = verify_plan(w, job.planner(), plan, *tracker, /*measure_plain=*/true, f.verify_steps);
   const CostsSource& source = job.source();
   plan.notes.insert(plan.notes.begin(), source.notes.begin(), source.notes.end());
   plan.notes.insert(plan.notes.begin(), w.notes.begin(), w.notes.end());
@@ -157,12 +189,11 @@ int run_plan_command(WorkloadFlags& wf, const StepFlags& sf, const PlanFlags& f)
     j["profile_seconds"] = source.seconds;
     j["profile_cached"] = source.cached;
     j["solve_seconds"] = solve_s;
+    if (plan.config.device.is_cuda()) j["cuda_outside_bytes"] = outside_json(outside);
     std::cout << j.dump(2) << "\n";
   } else {
-    std::vector<std::string> names;
-    for (int i = 0; i < w.chain->size(); ++i) names.push_back(w.chain->block(i).name);
     fmt::print("{}\n", w.description);
-    print_plan(plan, names, verified ? &v : nullptr,
+    print_plan(plan, block_names(*w.chain), verified ? &v : nullptr,
                fmt::format("{} {:.2f} s, planning {:.3f} s",
                            source.cached ? "profile read from the cache (--replan measures again) in" : "profiling",
                            source.seconds, solve_s));

@@ -21,6 +21,7 @@ struct PlanFlags {
   std::string budget;
   bool json = false;
   bool verify = true;
+  int verify_steps = 3;
 };
 
 struct TrainFlags {

@@ -149,7 +149,8 @@ const std::map<std::string, std::string>& flag_names() {
       {"distributed.timeout", "--dist-timeout"}, {"save_every", "--save-every"}, {"eval_every", "--eval-every"}, {"progress_every", "--progress-every"},
       {"eval_batches", "--eval-batches"}, {"inject_oom", "--inject-oom"}, {"json_log", "--json-log"},
       {"dump_weights", "--dump-weights"}, {"data", "--data"}, {"loss", "--loss"}, {"save_dir", "--save"},
-      {"resume_dir", "--resume"}, {"report_html", "--report"}, {"profile_cache", "--profile-cache"}};
+      {"resume_dir", "--resume"}, {"report_html", "--report"}, {"profile_cache", "--profile-cache"},
+      {"verify_steps", "--verify-steps"}};
   return flags;
 }
 

@@ -49,6 +49,8 @@ CLI::App* add_plan(CLI::App& app, WorkloadFlags& w, StepFlags& s, PlanFlags& f) 
   cmd->add_option("--budget", f.budget, "memory budget: 512MiB, 1.5GiB, 800MB, 1e9 or bytes")->required();
   cmd->add_flag("--json", f.json, "JSON output");
   cmd->add_flag("!--no-verify", f.verify, "predict only; do not run real steps");
+  cmd->add_option("--verify-steps", f.verify_steps, "real steps that verify the plan (the first warms up)")
+      ->capture_default_str();
   return cmd;
 }
 

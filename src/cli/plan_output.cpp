@@ -23,6 +23,20 @@ void print_configuration(const Plan& plan, const std::vector<std::string>& block
   fmt::print("  {:<28}{}\n", "optimizer", c.optimizer.describe());
 }
 
+// The verified steps on a CUDA device: reserved bytes predicted by the allocator model and, on
+// CUDA, measured by the allocator under the budget's fraction.
+void print_cuda_verification(const Verification& v) {
+  if (v.cuda.valid) {
+    fmt::print("  {:<28}{}  (LibTorch {} caching allocator{})\n", "reserved on CUDA, predicted",
+               bytes_cell(v.cuda.peak_reserved), cuda_allocator_rules_name(v.cuda.rules),
+               v.cuda.conf_text.empty() ? "" : ", " + v.cuda.conf_text);
+  }
+  if (v.on_cuda) {
+    fmt::print("  {:<28}{}  (max_memory_reserved; {} retries, {} out of memory)\n", "reserved on CUDA, measured",
+               bytes_cell(v.cuda_measured.peak_reserved), v.cuda_measured.num_alloc_retries, v.cuda_measured.num_ooms);
+  }
+}
+
 void print_predictions(const Plan& plan, const Verification* v) {
   const double plain = std::max(1e-12, plan.plain_predicted_seconds);
   fmt::print("  {:<28}{}\n", "predicted peak", bytes_cell(plan.predicted_peak));
@@ -35,6 +49,7 @@ void print_predictions(const Plan& plan, const Verification* v) {
                  static_cast<double>(std::max<int64_t>(1, v->measured_peak)));
   fmt::print("  {:<28}{:.2f}x predicted, {:.2f}x measured\n", "step time vs plain step", plan.predicted_seconds / plain,
              v->measured_seconds / std::max(1e-12, v->plain_seconds));
+  print_cuda_verification(*v);
 }
 
 }  // namespace

@@ -122,7 +122,7 @@ std::vector<std::pair<Precision, int64_t>> Planner::untimed_rival_sizes(const Pl
   };
   add(plan);
   if (!plan.feasible) return out;
-  const auto usable = static_cast<int64_t>(static_cast<double>(plan.budget_bytes) * (1.0 - request_.margin));
+  const auto usable = usable_bytes(plan.budget_bytes);
   const OptimizerCost& optimizer = optimizer_cost(plan.config.optimizer.state);
   for (const auto& pp : profile_.precisions) {
     const int64_t largest_timed = pp.chain_seconds.empty() ? 0 : pp.chain_seconds.back().micro_batch;
@@ -276,7 +276,7 @@ Plan Planner::evaluate(int64_t m, Precision precision, const CheckpointPlan& che
   p.predicted_peak = std::max(evaluate_schedule(costs_at(m, pp, optimizer), checkpoint.segments).peak_bytes,
                               optimizer_peak(optimizer));
   p.predicted_seconds = step_seconds(m, pp, checkpoint.segments, optimizer);
-  const auto usable = static_cast<int64_t>(static_cast<double>(budget) * (1.0 - request_.margin));
+  const auto usable = usable_bytes(budget);
   p.feasible = p.predicted_peak <= usable;
   return p;
 }
@@ -293,7 +293,14 @@ int64_t Planner::floor_bytes() const {
       smallest = std::min(smallest, std::max(s, optimizer_peak(*optimizer)));
     }
   }
-  return static_cast<int64_t>(std::ceil(static_cast<double>(smallest) / (1.0 - request_.margin)));
+  return static_cast<int64_t>(std::ceil(static_cast<double>(smallest) * request_.reserved_per_allocated /
+                                        (1.0 - request_.margin))) +
+         request_.outside_bytes;
+}
+
+int64_t Planner::usable_bytes(int64_t budget) const {
+  const double allocator_share = static_cast<double>(budget - request_.outside_bytes) / request_.reserved_per_allocated;
+  return static_cast<int64_t>(allocator_share * (1.0 - request_.margin));
 }
 
 std::vector<int64_t> Planner::candidate_sizes() const {
@@ -406,7 +413,7 @@ Plan Planner::plan(int64_t budget) const {
   if (budget <= 0) budget = request_.budget_bytes;
   Plan p = prediction_base(budget);
   p.notes = profile_.notes;
-  const auto usable = static_cast<int64_t>(static_cast<double>(budget) * (1.0 - request_.margin));
+  const auto usable = usable_bytes(budget);
   // The best plan with each optimizer state; the first (the spec's, fp32 under auto) is kept
   // unless another fits when it does not, or is faster (within 1%) with its optimizer step.
   const auto candidates = optimizer_candidates();

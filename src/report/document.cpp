@@ -45,6 +45,18 @@ nlohmann::json blocks_json(const ReportDocument& r) {
   return blocks;
 }
 
+// Each timeline point's predicted reserved bytes ("cuda_reserved") and the series' legend
+// ("reserved_series": {key, label, peak_bytes}); nothing where the series does not line up.
+void add_reserved_series(nlohmann::json& d, const CudaReservedPrediction& p) {
+  nlohmann::json& timeline = d["timeline"];
+  if (!p.valid || p.reserved_series.size() != timeline.size()) return;
+  for (size_t i = 0; i < timeline.size(); ++i) timeline[i]["cuda_reserved"] = p.reserved_series[i];
+  d["reserved_series"] = {{"key", "cuda_reserved"},
+                          {"label", std::string("CUDA reserved (predicted, LibTorch ") + cuda_allocator_rules_name(p.rules) +
+                                        " rules)"},
+                          {"peak_bytes", p.peak_reserved}};
+}
+
 nlohmann::json steps_json(const std::vector<StepPoint>& steps) {
   nlohmann::json out = nlohmann::json::array();
   for (const auto& p : steps) {
@@ -65,6 +77,7 @@ nlohmann::json ReportDocument::to_json() const {
   if (step) {
     add_step(d, *step);
     d["blocks"] = blocks_json(*this);
+    add_reserved_series(d, cuda_reserved);
   }
   if (!plan_rows.empty()) {
     nlohmann::json rows = nlohmann::json::array();

@@ -297,6 +297,7 @@ h3 { font-size: 14px; margin: 0 0 8px; text-transform: uppercase; letter-spacing
 .chart .peak-drop { stroke: #1f2328; stroke-width: 1; stroke-dasharray: 2 3; }
 .chart .peak-label { fill: #1f2328; font-weight: bold; paint-order: stroke; stroke: #fff; stroke-width: 3px; }
 .chart .series { fill: none; stroke-width: 2; }
+.chart .reserved-line { fill: none; stroke-width: 2; }
 .chart .block-name { fill: #1f2328; font-family: "DejaVu Sans Mono", monospace; font-size: 11px; }
 .chart .empty { fill: #8c959f; font-size: 16px; }
 #timeline-guide { stroke: #1f2328; stroke-width: 1; pointer-events: none; }
@@ -359,6 +360,7 @@ const char* const kScript = R"JS(
     var row = data.points[lo], total = 0, lines = [(t / 1000).toFixed(2) + ' ms'];
     for (var i = 0; i < data.labels.length; i++) { total += row[i + 1]; lines.push(data.labels[i] + ': ' + formatBytes(row[i + 1])); }
     lines.push('Total: ' + formatBytes(total));
+    if (data.reserved_label && row[data.labels.length + 1] >= 0) lines.push(data.reserved_label + ': ' + formatBytes(row[data.labels.length + 1]));
     tip.textContent = lines.join('\n');
     guide.setAttribute('x1', p.x); guide.setAttribute('x2', p.x); guide.setAttribute('visibility', 'visible');
     var box = svg.parentNode.getBoundingClientRect();

@@ -93,9 +93,32 @@ struct TimelinePoint {
   double t_us = 0;
   std::vector<int64_t> bytes;  // one entry per category, same order
   int64_t total = 0;
+  int64_t reserved = -1;       // the reserved series' bytes (-1: none at this point)
 };
 
-std::vector<TimelinePoint> read_timeline(const json& doc, const std::vector<Category>& categories) {
+// A line drawn over the stacked areas: what a caching allocator would reserve ("reserved_series":
+// {key, label, peak_bytes}; each timeline point carries its bytes under `key`).
+struct ReservedSeries {
+  bool present = false;
+  std::string key, label;
+  int64_t peak_bytes = 0;
+};
+
+const char* const kReservedColor = "#6a3d9a";
+
+ReservedSeries read_reserved_series(const json& doc) {
+  ReservedSeries r;
+  if (!doc.is_object() || !doc.contains("reserved_series") || !doc["reserved_series"].is_object()) return r;
+  const json& s = doc["reserved_series"];
+  r.key = field_text(s, "key");
+  r.label = field_text(s, "label", "reserved");
+  r.peak_bytes = field_bytes(s, "peak_bytes");
+  r.present = !r.key.empty();
+  return r;
+}
+
+std::vector<TimelinePoint> read_timeline(const json& doc, const std::vector<Category>& categories,
+                                         const ReservedSeries& reserved) {
   std::vector<TimelinePoint> points;
   for (const json& item : field_array(doc, "timeline")) {
     TimelinePoint point;
@@ -104,6 +127,7 @@ std::vector<TimelinePoint> read_timeline(const json& doc, const std::vector<Cate
       point.bytes.push_back(field_bytes(item, category.key.c_str()));
       point.total += point.bytes.back();
     }
+    if (reserved.present && has_number(item, reserved.key.c_str())) point.reserved = field_bytes(item, reserved.key.c_str());
     points.push_back(std::move(point));
   }
   // Events arrive in time order; a stable sort only guards against odd input.
@@ -206,7 +230,7 @@ std::string render_category_legend(const std::vector<Category>& categories) {
 }
 
 // One legend entry per distinct phase name, so narrow unlabeled bands stay identifiable.
-std::string render_phase_legend(const std::vector<Phase>& phases, bool has_budget) {
+std::string render_phase_legend(const std::vector<Phase>& phases, bool has_budget, const ReservedSeries& reserved) {
   std::vector<std::string> names;
   for (const Phase& phase : phases) {
     if (std::find(names.begin(), names.end(), phase.name) == names.end()) names.push_back(phase.name);
@@ -219,6 +243,11 @@ std::string render_phase_legend(const std::vector<Phase>& phases, bool has_budge
            fill, escape_html(name));
   }
   if (has_budget) out += R"(<span class="phase-legend-item"><span class="swatch-line"></span>budget</span>)";
+  if (reserved.present) {
+    append(out, R"(<span class="phase-legend-item reserved-legend-item" data-series="{}"><span class="swatch-line" )"
+                R"(style="border-top:2px solid {}"></span>{}</span>)",
+           escape_html(reserved.key), kReservedColor, escape_html(reserved.label));
+  }
   out += R"(<span class="phase-legend-item"><span class="swatch-dot"></span>peak</span>)";
   out += "</div>";
   return out;
@@ -244,7 +273,9 @@ std::pair<double, double> time_domain(const std::vector<TimelinePoint>& timeline
 ValueAxis timeline_byte_axis(const std::vector<TimelinePoint>& timeline, const PeakInfo& peak, bool has_budget,
                              int64_t budget_bytes) {
   double max_bytes = static_cast<double>(peak.bytes);
-  for (const TimelinePoint& point : timeline) max_bytes = std::max(max_bytes, static_cast<double>(point.total));
+  for (const TimelinePoint& point : timeline) {
+    max_bytes = std::max({max_bytes, static_cast<double>(point.total), static_cast<double>(point.reserved)});
+  }
   if (has_budget) max_bytes = std::max(max_bytes, static_cast<double>(budget_bytes));
   return byte_axis(max_bytes);
 }
@@ -330,12 +361,35 @@ void draw_peak_marker(std::string& out, const PlotArea& area, const PeakInfo& pe
          escape_html(peak_label));
 }
 
+// The reserved series as a step line over the areas (it holds until the next event).
+void draw_reserved_line(std::string& out, const PlotArea& area, const std::vector<TimelinePoint>& drawn,
+                        const ReservedSeries& series, const Scale& x, const Scale& y) {
+  std::string d;
+  double last_y = 0;
+  for (const TimelinePoint& point : drawn) {
+    if (point.reserved < 0) continue;
+    const double px = x(point.t_us), py = y(static_cast<double>(point.reserved));
+    if (d.empty()) {
+      append(d, "M{:.1f},{:.1f}", px, py);
+    } else {
+      append(d, "L{:.1f},{:.1f}L{:.1f},{:.1f}", px, last_y, px, py);
+    }
+    last_y = py;
+  }
+  if (d.empty()) return;
+  append(d, "L{:.1f},{:.1f}", area.right(), last_y);
+  append(out, R"(<path class="reserved-line" data-series="{}" d="{}" stroke="{}"><title>{}: peak {} ({} bytes)</title></path>)",
+         escape_html(series.key), d, kReservedColor, escape_html(series.label), escape_html(format_bytes(series.peak_bytes)),
+         series.peak_bytes);
+}
+
 // Data for the hover readout: the drawn points and the pixel mapping.
 std::string timeline_data_script(const std::vector<Category>& categories, const std::vector<TimelinePoint>& drawn,
-                                 double t_lo, double t_hi, const PlotArea& area) {
+                                 double t_lo, double t_hi, const PlotArea& area, const ReservedSeries& reserved) {
   json hover = {{"t0", t_lo}, {"t1", t_hi}, {"x0", area.left}, {"x1", area.right()},
                 {"labels", json::array()}, {"points", json::array()}};
   for (const Category& category : categories) hover["labels"].push_back(category.label);
+  if (reserved.present) hover["reserved_label"] = reserved.label;
   for (const TimelinePoint& point : drawn) {
     // Whole microseconds stay integers in the JSON ("1234", not "1234.0").
     json row = json::array();
@@ -345,6 +399,7 @@ std::string timeline_data_script(const std::vector<Category>& categories, const 
       row.push_back(point.t_us);
     }
     for (int64_t bytes : point.bytes) row.push_back(bytes);
+    if (reserved.present) row.push_back(point.reserved);
     hover["points"].push_back(std::move(row));
   }
   std::string hover_json = hover.dump(-1, ' ', false, json::error_handler_t::replace);
@@ -356,7 +411,7 @@ std::string timeline_data_script(const std::vector<Category>& categories, const 
 
 std::string render_timeline_svg(const std::vector<Category>& categories, const std::vector<TimelinePoint>& timeline,
                                  const std::vector<Phase>& phases, const PeakInfo& peak, bool has_budget,
-                                 int64_t budget_bytes) {
+                                 int64_t budget_bytes, const ReservedSeries& reserved) {
   const double svg_width = 900, svg_height = 430;
   const PlotArea area{78, 44, 800, 330};  // room for the phase strip above and the time axis below
 
@@ -379,6 +434,7 @@ std::string render_timeline_svg(const std::vector<Category>& categories, const s
   const std::vector<TimelinePoint> drawn = downsample(timeline, 1500);
   draw_stacked_areas(out, area, categories, drawn, x, y);
   draw_phase_edges(out, area, phases, x);
+  if (reserved.present) draw_reserved_line(out, area, drawn, reserved, x, y);
   if (has_budget) draw_budget_line(out, area, y, budget_bytes);
   // Nothing to mark in an empty report.
   if (!timeline.empty() || peak.bytes > 0) draw_peak_marker(out, area, peak, x, y);
@@ -387,12 +443,13 @@ std::string render_timeline_svg(const std::vector<Category>& categories, const s
   append(out, R"(<line id="timeline-guide" x1="0" y1="{:.1f}" x2="0" y2="{:.1f}" visibility="hidden"/>)", area.top,
          area.bottom());
   out += "</svg>";
-  out += timeline_data_script(categories, drawn, t_lo, t_hi, area);
+  out += timeline_data_script(categories, drawn, t_lo, t_hi, area, reserved);
   return out;
 }
 
 std::string render_peak_panel(const std::vector<Category>& categories, const std::vector<Phase>& phases,
-                              const PeakInfo& peak, bool has_budget, int64_t budget_bytes) {
+                              const PeakInfo& peak, bool has_budget, int64_t budget_bytes,
+                              const ReservedSeries& reserved) {
   std::string out = R"(<aside class="peak-panel"><h3>Peak of the step</h3>)";
   append(out, R"(<div id="peak-value" class="peak-value" data-bytes="{0}"><span class="peak-exact">{0} bytes</span> )"
               R"(<span class="peak-human">({1})</span></div>)",
@@ -400,6 +457,10 @@ std::string render_peak_panel(const std::vector<Category>& categories, const std
   const std::string phase = phase_at(phases, peak.t_us);
   append(out, R"(<p class="muted">at {}{}</p>)", format_ms(peak.t_us),
          phase.empty() ? "" : ", during " + escape_html(phase));
+  if (reserved.present) {
+    append(out, R"(<p id="reserved-peak" class="muted" data-bytes="{}">{}: peak {}</p>)", reserved.peak_bytes,
+           escape_html(reserved.label), escape_html(format_bytes(reserved.peak_bytes)));
+  }
   if (has_budget) {
     const int64_t headroom = budget_bytes - peak.bytes;
     if (headroom >= 0) {
@@ -461,7 +522,8 @@ std::string render_phase_table(const std::vector<Phase>& phases) {
 
 TimelineSection render_timeline_section(const json& doc, bool has_budget, int64_t budget_bytes) {
   const std::vector<Category> categories = read_categories(doc);
-  const std::vector<TimelinePoint> timeline = read_timeline(doc, categories);
+  const ReservedSeries reserved = read_reserved_series(doc);
+  const std::vector<TimelinePoint> timeline = read_timeline(doc, categories, reserved);
   const std::vector<Phase> phases = read_phases(doc);
   const PeakInfo peak = read_peak(doc, categories, timeline);
   TimelineSection s;
@@ -469,10 +531,10 @@ TimelineSection render_timeline_section(const json& doc, bool has_budget, int64_
   s.events = timeline.size();
   s.html = R"(<section class="card"><h2>Live bytes by category</h2><div class="timeline-row"><div class="chart-wrap">)";
   s.html += render_category_legend(categories);
-  s.html += render_phase_legend(phases, has_budget);
-  s.html += render_timeline_svg(categories, timeline, phases, peak, has_budget, budget_bytes);
+  s.html += render_phase_legend(phases, has_budget, reserved);
+  s.html += render_timeline_svg(categories, timeline, phases, peak, has_budget, budget_bytes, reserved);
   s.html += R"(<div id="timeline-tooltip" class="tooltip" style="display:none"></div></div>)";
-  s.html += render_peak_panel(categories, phases, peak, has_budget, budget_bytes);
+  s.html += render_peak_panel(categories, phases, peak, has_budget, budget_bytes, reserved);
   s.html += "</div>";
   s.html += render_phase_table(phases);
   s.html += "</section>\n";

@@ -3,6 +3,7 @@
 #include <torch/torch.h>
 
 #include "memfit/errors.h"
+#include "memfit/measure/cuda_budget.h"
 #include "memfit/runtime/step.h"
 #include "memfit/techniques/cache.h"
 
@@ -17,11 +18,18 @@ void check_report_options(const Workload& w, const ReportOptions& o) {
                "expected 1 to batch (" + std::to_string(o.step.batch) + "): each rank needs at least one sample");
 }
 
+// The whole run's allocations (for the CUDA prediction) and where its last step begins.
+struct RunTrace {
+  AllocationTrace trace;
+  size_t last_step_from = 0;
+};
+
 // One step of the report: a training step (or an evaluation pass), the last one recorded
-// and analysed into `r`.
+// and analysed into `r`. The recording until then is kept in `run`.
 void report_step(Workload& w, torch::optim::Optimizer& optimizer, const ReportOptions& o, MemoryTracker& tracker,
-                 int64_t step, Report& r) {
+                 int64_t step, Report& r, RunTrace& run) {
   const bool last = step == o.steps;
+  const MemoryDevice device = memory_device_of(o.step.device);
   const auto params = w.chain->parameters();
   Batch batch;
   {
@@ -30,6 +38,8 @@ void report_step(Workload& w, torch::optim::Optimizer& optimizer, const ReportOp
                 .to(o.step.device);
   }
   if (last) {
+    run.trace = recorded_trace(tracker);
+    run.last_step_from = run.trace.events.size();
     tracker.reset_peak();
     tracker.start_recording();
   }
@@ -37,7 +47,8 @@ void report_step(Workload& w, torch::optim::Optimizer& optimizer, const ReportOp
     r.loss = eval_loss(w, batch, o.step.precision);
     if (!last) return;
     tracker.stop_recording();
-    r.analysis = analyze_step(tracker, known_storage(params, optimizer_state_tensors(optimizer), w.chain->buffers()), w.chain->size());
+    r.analysis = analyze_step(tracker, known_storage(params, optimizer_state_tensors(optimizer), w.chain->buffers()),
+                              w.chain->size(), device);
     return;
   }
   KnownStorage known;
@@ -46,16 +57,18 @@ void report_step(Workload& w, torch::optim::Optimizer& optimizer, const ReportOp
     if (!last) return;
     tracker.stop_recording();
     known = known_storage(params, optimizer_state_tensors(optimizer), w.chain->buffers());
-    r.states = classify_live(tracker, known);
+    r.states = classify_live(tracker, known, device);
   };
   r.loss = train_step(w, optimizer, batch, so).loss;
-  if (last) r.analysis = analyze_step(tracker, known, w.chain->size());
+  if (last) r.analysis = analyze_step(tracker, known, w.chain->size(), device);
 }
 
 }  // namespace
 
 Report run_report(Workload& w, const ReportOptions& o) {
   check_report_options(w, o);
+  const CudaPredictionOptions cuda_options = cuda_prediction_options_from_env();
+  const MemoryDevice device = memory_device_of(o.step.device);
   auto tracker = std::make_shared<MemoryTracker>();
   TrackerScope scope(tracker);
   adopt_tensors(*tracker, w.chain->parameters());
@@ -73,9 +86,19 @@ Report run_report(Workload& w, const ReportOptions& o) {
     r.block_recomputed.push_back(o.step.checkpoint.recomputes(i));
   }
   auto optimizer = make_optimizer(o.step.optimizer, w.chain->parameters());
-  for (int64_t step = 1; step <= o.steps; ++step) report_step(w, *optimizer, o, *tracker, step, r);
-  r.between_steps_bytes = tracker->current();
-  for (int p = 0; p < kNumPhases; ++p) r.phase_peak[p] = tracker->phase_peak(static_cast<Phase>(p));
+  RunTrace run;
+  CudaPredictionOptions run_cuda_options = cuda_options;
+  if (device == MemoryDevice::kCUDA) {  // what the allocator holds already (the weights, cuBLAS's workspace)
+    const CudaAllocatorCounters now = cuda_allocator_counters(o.step.device.has_index() ? o.step.device.index() : 0);
+    run_cuda_options.reserved_at_start = now.reserved;
+    run_cuda_options.allocated_at_start = now.allocated;
+  }
+  tracker->start_recording();  // from the first step: a CUDA allocator's cache carries over between steps
+  for (int64_t step = 1; step <= o.steps; ++step) report_step(w, *optimizer, o, *tracker, step, r, run);
+  append_recording(run.trace, *tracker);
+  r.cuda = predict_cuda_reserved(run.trace, device, run_cuda_options, run.last_step_from);
+  r.between_steps_bytes = tracker->current(device);
+  for (int p = 0; p < kNumPhases; ++p) r.phase_peak[p] = tracker->phase_peak(static_cast<Phase>(p), device);
   // Per rank: the optimizer's state measured here, per parameter byte, over each rank's share.
   const double state_per_byte = r.parameter_bytes > 0 ? static_cast<double>(r.states.optimizer_state) /
                                                             static_cast<double>(r.parameter_bytes)
@@ -117,10 +140,14 @@ nlohmann::json report_json(const Report& r) {
   // CUDA's caching allocator reserves more than it hands out (empty_cache() gives it back).
   nlohmann::json devices = {{"cpu", {{"allocated_bytes", r.between_steps_bytes}, {"reserved_bytes", r.between_steps_bytes}}}};
   if (cuda_available()) {
-    const DeviceMemory m = cuda_memory(0);
-    devices["cuda"] = {{"allocated_bytes", m.allocated}, {"reserved_bytes", m.reserved}, {"peak_allocated_bytes", m.peak_allocated}};
+    const CudaAllocatorCounters m = cuda_allocator_counters(0);
+    devices["cuda"] = {{"allocated_bytes", m.allocated},           {"reserved_bytes", m.reserved},
+                       {"peak_allocated_bytes", m.peak_allocated}, {"peak_reserved_bytes", m.peak_reserved},
+                       {"num_alloc_retries", m.num_alloc_retries}, {"num_ooms", m.num_ooms}};
   }
   j["device_memory"] = devices;
+  // Predicted from the recorded run (on CUDA: from the allocator's own block sizes).
+  j.update(cuda_prediction_json(r.cuda));
   nlohmann::json phases = nlohmann::json::object();
   for (Phase p : {Phase::kForward, Phase::kBackward, Phase::kRecompute, Phase::kOptimizer, Phase::kEval}) {
     if (r.phase_peak[static_cast<int>(p)] > 0) phases[phase_name(p)] = {{"peak_bytes", r.phase_peak[static_cast<int>(p)]}};
@@ -151,6 +178,7 @@ ReportDocument report_document(const Report& r) {
   d.ranks = r.ranks;
   d.zero_stage = r.options.zero_stage;
   d.largest_gathered_block_bytes = r.largest_gathered_block_bytes;
+  d.cuda_reserved = r.cuda;
   return d;
 }
 

@@ -49,8 +49,18 @@ void check_train_options(const TrainOptions& o, const Workload& w) {
 
 // --- the parts --------------------------------------------------------------------------------
 
-TrainingMemory::TrainingMemory()
-    : allocator(BudgetAllocator::install()), tracker(std::make_shared<MemoryTracker>()), scope(tracker) {}
+TrainingMemory::TrainingMemory(c10::Device device)
+    : device(device), allocator(BudgetAllocator::install()), tracker(std::make_shared<MemoryTracker>()), scope(tracker) {
+  if (device.is_cuda()) outside = measure_outside_memory(device.has_index() ? device.index() : 0);
+}
+
+void TrainingMemory::enforce(int64_t bytes) {
+  if (device.is_cuda()) {
+    cuda_cap.emplace(bytes - outside.total(), device.has_index() ? device.index() : 0);
+  } else {
+    budget.emplace(bytes);
+  }
+}
 
 void TrainOptimizer::build(const OptimizerSpec& asked, StatePrecision state, const std::vector<at::Tensor>& params) {
   optimizer.reset();  // the old state is released first
@@ -115,7 +125,7 @@ torch::optim::Optimizer& Trainer::optimizer() { return *impl_->optimizer.optimiz
 void Trainer::set_up() {
   Impl& t = *impl_;
   check_train_options(t.options, t.workload);
-  t.memory = std::make_unique<TrainingMemory>();
+  t.memory = std::make_unique<TrainingMemory>(t.options.step.device);  // (before the model moves there)
   Chain& chain = *t.workload.chain;
   chain.to(t.options.step.device);
   t.parameter_count = memfit::parameter_count(chain);
@@ -124,7 +134,10 @@ void Trainer::set_up() {
   adopt_tensors(*t.memory->tracker, chain.buffers());
   // What else the budget counts from the start (the caller's data tensors, say): the plan
   // reserves it, and reported peaks include it.
-  t.memory->resident_bytes = std::max<int64_t>(0, t.memory->allocator.allocated() - t.memory->tracker->current());
+  // (Host bytes do not count against a GPU's budget.)
+  if (!t.options.step.device.is_cuda()) {
+    t.memory->resident_bytes = std::max<int64_t>(0, t.memory->allocator.allocated() - t.memory->tracker->current());
+  }
   t.strategy = make_strategy(t.options.distributed, chain);
   t.local = t.strategy->local_slice(t.options.step.batch);
   const OptimizerSpec& spec = t.options.step.optimizer;

@@ -16,6 +16,7 @@
 #include <vector>
 
 #include "memfit/measure/budget_allocator.h"
+#include "memfit/measure/cuda_budget.h"
 #include "memfit/measure/memory_tracker.h"
 #include "memfit/plan/job.h"
 #include "memfit/report/document.h"
@@ -31,12 +32,21 @@ namespace memfit {
 
 using TrainClock = std::chrono::steady_clock;
 
+// The budget is the device's: on the CPU memfit's BudgetAllocator enforces it; on CUDA the
+// caching allocator's memory fraction caps reserved bytes, and memory outside the allocator
+// (the context, cuBLAS) is measured first and counts against it.
 struct TrainingMemory {
-  TrainingMemory();
+  explicit TrainingMemory(c10::Device device);
+  // From now until the Trainer goes, allocations past `budget` fail as out of memory.
+  void enforce(int64_t budget);
+
+  c10::Device device;
   BudgetAllocator& allocator;
   std::shared_ptr<MemoryTracker> tracker;
   TrackerScope scope;
-  std::optional<BudgetGuard> budget;  // set once the plan is known; until the Trainer goes
+  OutsideMemory outside;              // CUDA: outside the caching allocator (zeros on the CPU)
+  std::optional<BudgetGuard> budget;  // CPU
+  std::optional<CudaMemoryFractionGuard> cuda_cap;  // CUDA
   int64_t resident_bytes = 0;         // counted by the budget, outside the tracker (the caller's data)
   // Bytes the budget counts at the last step's peak.
   int64_t step_peak() const { return tracker->peak() + resident_bytes; }

@@ -18,6 +18,7 @@ void Trainer::Impl::make_plan_job() {
   o.request.step.batch = local.length;
   if (options.pin_checkpoint) o.request.checkpoint = options.step.checkpoint;
   o.request.resident_bytes = memory->resident_bytes;
+  o.request.outside_bytes = memory->outside.total();
   o.optimized = strategy->optimized_parameters();
   o.cache = options.profile_cache;
   o.time_micro_batches = strategy->times_micro_batches_alone();
@@ -97,7 +98,7 @@ void Trainer::Impl::prepare_steps() {
   recovery.split = std::make_unique<SplitRecovery>(local.length, options.step.batch, workload.chain->size(),
                                                    [this](const std::string& note) { observers.on_note(note); });
   recovery.eval_micro_batch = config.micro_batch_size();
-  memory->budget.emplace(plan.budget);
+  memory->enforce(plan.budget);
   record.summary.first_step = record.start_step + 1;
   record.summary.budget_bytes = plan.budget;
   record.summary.losses.reserve(static_cast<size_t>(options.steps - record.start_step));  // no growth during training

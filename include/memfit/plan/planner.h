@@ -47,6 +47,12 @@ struct PlanRequest {
   int64_t extra_bytes = 0;                   // alive beside the optimizer step (state gathered to save)
   int64_t resident_bytes = 0;                // alive all along, counted by the budget but not profiled
                                              // (the caller's data tensors, other models)
+  // On CUDA the budget is the device's: the caching allocator reserves more than it hands out, and
+  // memory outside it (context, cuBLAS) counts too. A plan's allocated peak must then fit
+  // (budget - outside_bytes) / reserved_per_allocated (the reserved/allocated relation a replay
+  // of a recorded step gave: cuda_reserved.h); 1 and 0 on the CPU, whose allocator caches nothing.
+  double reserved_per_allocated = 1.0;
+  int64_t outside_bytes = 0;
   // ZeRO 3 (empty otherwise): per block, its weights in full and this rank's shard. Weights
   // and gradients held are then the shards; a block's full weights are added around its
   // forward, recompute and backward (one block at a time); every block is recomputed, so
@@ -133,6 +139,9 @@ class Planner {
   const PrecisionProfile& timed_precision() const;  // the first precision whose chain was timed
   int64_t optimizer_peak(const OptimizerCost& optimizer) const;
   int64_t weight_bytes() const;  // held through the step: all weights, or this rank's shards (ZeRO 3)
+  // The allocated bytes a plan for `budget` may peak at: outside memory, the allocator's
+  // reserved/allocated relation and the margin taken off.
+  int64_t usable_bytes(int64_t budget) const;
   void add_gathered_blocks(ChainCosts& costs) const;
   Plan prediction_base(int64_t budget) const;
   std::vector<int64_t> candidate_sizes() const;  // the pinned micro-batch, or B, B/2, B/4, ... 1

@@ -13,6 +13,7 @@
 #include <vector>
 
 #include "memfit/measure/breakdown.h"
+#include "memfit/measure/cuda_reserved.h"
 #include "memfit/plan/rank_states.h"
 #include "memfit/runtime/step_config.h"
 
@@ -40,6 +41,9 @@ struct ReportDocument {
   int zero_stage = 0;
   int64_t largest_gathered_block_bytes = 0;  // ZeRO 3: one block's weights in full, beside the shards
   std::vector<StepPoint> steps;            // a run's steps chart
+  // What the step would reserve on a CUDA device (cuda_reserved.h): drawn as a line beside the
+  // allocated bytes where its series matches the step's timeline.
+  CudaReservedPrediction cuda_reserved;
 
   nlohmann::json to_json() const;
 };
