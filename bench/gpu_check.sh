@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The GPU check: on a machine with CUDA and PyTorch 2.x, builds memfit against that PyTorch's
 # LibTorch, then checks the CUDA caching allocator model against the allocator itself (issue 32:
-# bench/gpu_allocator_check.py, five configurations and more, predicted vs measured reserved and
+# bench/harness/gpu_allocator_check.py, five configurations and more, predicted vs measured reserved and
 # allocated peaks, plans verified by 20 steps under the memory fraction with no retry and no
 # out-of-memory error: one markdown table with the card's name, for bench/RESULTS.md), then,
 # with the time left, builds and runs the test suite (ctest) in that CUDA build. Within 9 minutes
@@ -137,8 +137,8 @@ for prefix, n in (("train", 8192), ("t10k", 1024)):
 PY
   log "Fashion-MNIST not installed: random stand-ins of its format in $MEMFIT_FASHION_MNIST_DIR"
 fi
-log "== allocator check on ${card:-an unnamed card} (bench/gpu_allocator_check.py)"
-timeout "$(left)" "$py" "$root/bench/gpu_allocator_check.py" "$memfit" "$work" --python "$py" \
+log "== allocator check on ${card:-an unnamed card} (bench/harness/gpu_allocator_check.py)"
+timeout "$(left)" "$py" "$root/bench/harness/gpu_allocator_check.py" "$memfit" "$work" --python "$py" \
   --deadline "$deadline" --card "${card:-?}" 2>&1 | tee -a "$results"
 allocator_rc=${PIPESTATUS[0]}
 log "-- allocator check: exit $allocator_rc"

@@ -19,7 +19,7 @@ if [[ ${1:-} == --build ]]; then build=$2; shift 2; fi
 model=("$@")
 ((${#model[@]})) || model=(--layers 2 --d-model 128 --seq 64 --batch 8)
 bin=$build/bench/tracker_overhead
-[[ -x $bin ]] || { echo "tracker_instructions: $bin not found (cmake --build $build --target tracker_overhead)" >&2; exit 1; }
+[[ -x $bin ]] || { echo "tracker_instructions: $bin not found (cmake -S . -B $build -DMEMFIT_BUILD_BENCH=ON && cmake --build $build --target tracker_overhead)" >&2; exit 1; }
 command -v valgrind >/dev/null || { echo "tracker_instructions: valgrind not found" >&2; exit 1; }
 steps=3
 dir=$(mktemp -d)

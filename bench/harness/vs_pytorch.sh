@@ -78,7 +78,7 @@ py=/usr/bin/python3   # Debian's interpreter: the one that sees python3-torch
   { echo "vs_pytorch: $py cannot import torch (python3-torch missing; scripts/setup.sh installs it)" >&2; exit 1; }
 bench_bin=$build/bench/vs_pytorch_memfit
 [[ -x $bench_bin ]] ||
-  { echo "vs_pytorch: $bench_bin not found (cmake --build $build --target vs_pytorch_memfit)" >&2; exit 1; }
+  { echo "vs_pytorch: $bench_bin not found (cmake -S . -B $build -DMEMFIT_BUILD_BENCH=ON && cmake --build $build --target vs_pytorch_memfit)" >&2; exit 1; }
 
 # Blocks after the first (which checkpoint_sequential leaves outside): GPT 2 x layers + head,
 # CNN blocks + head.

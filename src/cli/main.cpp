@@ -169,7 +169,7 @@ int main(int argc, char** argv) {
   // Freed tensor memory stays in this process (as a GPU caching allocator keeps it) instead of
   // going back to the kernel and being page-faulted in again on the next step: on small
   // machines that costs up to a third of a step as system time. Allocated bytes, which memfit counts and
-  // budgets, are unchanged. (bench/quiet_env.sh sets the same for both sides of benchmarks.)
+  // budgets, are unchanged. (bench/harness/quiet_env.sh sets the same for both sides of benchmarks.)
   mallopt(M_MMAP_THRESHOLD, 1 << 30);
   mallopt(M_TRIM_THRESHOLD, std::numeric_limits<int>::max());
   // First thing: every tensor from here on goes through memfit's allocator (no budget yet),

@@ -15,7 +15,7 @@ Prints one markdown table (with the card's name) for bench/RESULTS.md, then a la
 reserved peak is within 2% or 20 MiB of max_memory_reserved and, for plans, no retry or
 out-of-memory error happened. Standard library only.
 
-    python3 bench/gpu_allocator_check.py MEMFIT WORK_DIR [--python PYTHON] [--deadline UNIX_SECONDS]
+    python3 bench/harness/gpu_allocator_check.py MEMFIT WORK_DIR [--python PYTHON] [--deadline UNIX_SECONDS]
 """
 import argparse
 import json
@@ -50,7 +50,7 @@ def delta(predicted, measured):
 def text_file(work):
     """Any text will do for the character-level GPT: the repository's own documents."""
     path = os.path.join(work, "text.txt")
-    root = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..")
+    root = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..")
     with open(path, "w") as out:
         for name in ("README.md", "ARCHITECTURE.md", "bench/RESULTS.md"):
             with open(os.path.join(root, name), errors="replace") as f:
