@@ -461,6 +461,61 @@ TEST(PlanSearchTest, Zero3CountsShardsAndOneGatheredBlockAtATime) {
   EXPECT_LT(sharded.floor_bytes(), one.floor_bytes());
 }
 
+// ZeRO 3 with prefetch: while a block runs, the gathers started by the last block gathered
+// are in flight (forward: the next d blocks with parameters; backward: the previous d), and in
+// backward, from depth 1, the last finished block's reduction (its full gradients and the N
+// pieces its owner sums). Hand-worked for a chain whose block 1 has no parameters.
+TEST(PlanSearchTest, Zero3PrefetchCountsTheBlocksInFlight) {
+  PlanRequest r = hand_request();
+  r.checkpoint = CheckpointPlan::all(4);
+  r.gathered_blocks = {{40000, 20000, 40000}, {0, 0, 0}, {80000, 40000, 80000}, {120000, 60000, 120000}};
+  r.gradient_bytes = 120000;
+  const Planner planner(hand_workload(), r);
+  const ChainCosts none = planner.costs_at(4);
+  // Per block: {forward, backward} bytes in flight at depths 1 and 2.
+  const std::vector<std::pair<int64_t, int64_t>> depth1 = {{80000, 160000}, {80000, 200000}, {120000, 280000}, {0, 80000}};
+  const std::vector<std::pair<int64_t, int64_t>> depth2 = {{200000, 160000}, {200000, 200000}, {120000, 280000}, {0, 120000}};
+  for (const auto& [depth, extra] : {std::make_pair(1, depth1), std::make_pair(2, depth2)}) {
+    ChainCosts expected = none;
+    for (size_t k = 0; k < expected.blocks.size(); ++k) {
+      expected.blocks[k].forward_nograd_peak += extra[k].first;  // the forward pass
+      expected.blocks[k].forward_peak += extra[k].second;        // the recompute, in backward
+      expected.blocks[k].backward_peak += extra[k].second;
+    }
+    const Plan p = planner.evaluate(4, Precision::kFP32, CheckpointPlan::all(4), int64_t{1} << 40, std::nullopt, depth);
+    EXPECT_EQ(p.config.prefetch_depth, depth);
+    EXPECT_EQ(p.predicted_peak, std::max(evaluate_schedule(expected, CheckpointPlan::all(4).segments).peak_bytes,
+                                         planner.evaluate(4, Precision::kFP32, CheckpointPlan::all(4)).predicted_peak))
+        << "depth " << depth;
+  }
+}
+
+// The plan takes the first depth of the request's list that fits at its micro-batch: the
+// deepest where memory allows, a shallower one (said in a note) where not.
+TEST(PlanSearchTest, Zero3PlanTakesTheDeepestPrefetchThatFits) {
+  PlanRequest r = hand_request();
+  r.checkpoint = CheckpointPlan::all(4);
+  r.step.micro_batch = 4;
+  // Blocks whose weights outweigh their activations: each depth needs more.
+  r.gathered_blocks.assign(4, GatheredBlockBytes{4000000, 2000000, 4000000});
+  r.gradient_bytes = 8000000;
+  r.prefetch_depths = {2, 1, 0};
+  const Planner planner(hand_workload(), r);
+  const auto need = [&](int depth) {
+    const Plan p = planner.evaluate(4, Precision::kFP32, CheckpointPlan::all(4), int64_t{1} << 40, std::nullopt, depth);
+    return static_cast<int64_t>(std::ceil(static_cast<double>(p.predicted_peak) / (1 - r.margin))) + 1;
+  };
+  ASSERT_LT(need(0), need(1));
+  ASSERT_LT(need(1), need(2));
+  EXPECT_EQ(planner.plan(need(2)).config.prefetch_depth, 2);
+  const Plan one = planner.plan(need(1));
+  EXPECT_EQ(one.config.prefetch_depth, 1);
+  EXPECT_TRUE(std::any_of(one.notes.begin(), one.notes.end(), [](const std::string& n) { return n.rfind("prefetch depth 1", 0) == 0; }));
+  EXPECT_EQ(planner.plan(need(0)).config.prefetch_depth, 0);
+  EXPECT_EQ(planner.plan(need(0)).floor_bytes, planner.floor_bytes());
+  EXPECT_FALSE(planner.plan(need(0) - 2).feasible);
+}
+
 }  // namespace
 }  // namespace memfit
 

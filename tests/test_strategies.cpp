@@ -4,8 +4,8 @@
 // format, a fresh strategy resumes from one process's save, and both train on.
 //
 // Bit for bit where the sums are exact: one process; two ranks at any stage (a + b is b + a);
-// ZeRO 3 at any world size (its gradients are summed in rank order, as one process accumulates
-// the ranks' micro-batches). ZeRO 0-2 over more ranks sum in Gloo's order: equal to float
+// ZeRO 3 at any world size and prefetch depth (its gradients are summed in rank order, as one
+// process accumulates the ranks' micro-batches). ZeRO 0-2 over more ranks sum in Gloo's order: equal to float
 // tolerance.
 #include <filesystem>
 
@@ -21,6 +21,7 @@ struct StrategyCase {
   int world_size;
   int zero_stage;
   bool bit_exact;
+  int prefetch_depth = 0;  // ZeRO 3: blocks gathered ahead (and gradients reduced in flight from 1)
 };
 
 std::ostream& operator<<(std::ostream& out, const StrategyCase& c) { return out << c.name; }
@@ -65,6 +66,12 @@ struct RankRun {
 
 nlohmann::json meta(int step) { return {{"step", step}}; }
 
+StepConfig config_of(const StrategyCase& c) {
+  StepConfig config;
+  config.prefetch_depth = c.prefetch_depth;
+  return config;
+}
+
 // One rank: kSteps steps, a save, then a fresh chain resumed from `resume_from` and kSteps more.
 RankRun run_rank(const StrategyCase& c, int rank, const std::vector<std::string>& masters, const fs::path& dir,
                  const fs::path& resume_from) {
@@ -77,6 +84,7 @@ RankRun run_rank(const StrategyCase& c, int rank, const std::vector<std::string>
   auto chain = test::small_chain();
   {
     auto strategy = make_strategy(o, *chain);
+    strategy->use_config(config_of(c));
     auto optimizer = make_optimizer(spec(), strategy->optimized_parameters());
     train_steps(*strategy, *chain, *optimizer, 0, kSteps);
     out.sha_before_save = strategy->weights_sha256("");
@@ -86,6 +94,7 @@ RankRun run_rank(const StrategyCase& c, int rank, const std::vector<std::string>
   for (auto& p : resumed_chain->parameters()) p.detach().zero_();  // the saved state must bring them back
   o.master = masters[1];  // a new group: the first one's rendezvous has closed
   auto strategy = make_strategy(o, *resumed_chain);
+  strategy->use_config(config_of(c));
   auto optimizer = make_optimizer(spec(), strategy->optimized_parameters());
   SavedState saved = SavedState::open(resume_from);
   strategy->resume(saved, *optimizer, spec(), c10::kCPU);
@@ -197,7 +206,9 @@ INSTANTIATE_TEST_SUITE_P(Strategies, StrategyTest,
                                            StrategyCase{"ZeroReplicatedStage2TwoRanks", 2, 2, true},
                                            StrategyCase{"ZeroReplicatedStage2ThreeRanks", 3, 2, false},
                                            StrategyCase{"ZeroShardedTwoRanks", 2, 3, true},
-                                           StrategyCase{"ZeroShardedFourRanks", 4, 3, true}),
+                                           StrategyCase{"ZeroShardedFourRanks", 4, 3, true},
+                                           StrategyCase{"ZeroShardedTwoRanksPrefetch1", 2, 3, true, 1},
+                                           StrategyCase{"ZeroShardedFourRanksPrefetch2", 4, 3, true, 2}),
                          [](const ::testing::TestParamInfo<StrategyCase>& info) { return std::string(info.param.name); });
 
 }  // namespace

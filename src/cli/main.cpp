@@ -78,6 +78,8 @@ CLI::App* add_train(CLI::App& app, WorkloadFlags& w, StepFlags& s, TrainFlags& f
   cmd->add_option("--master", o.distributed.master, "HOST:PORT of the rendezvous rank 0 opens")->capture_default_str();
   cmd->add_option("--zero", o.distributed.zero_stage, "0: data parallel; 1: optimizer state sharded; 2: gradients too; 3: weights too")
       ->capture_default_str();
+  cmd->add_option("--prefetch-depth", o.distributed.prefetch_depth,
+                  "--zero 3: blocks whose weights are gathered ahead of the one running, 0 to 2 (default: the plan chooses)");
   cmd->add_option("--dist-timeout", o.distributed.timeout_seconds, "seconds to wait for other ranks (rendezvous, each collective)")
       ->capture_default_str();
   cmd->add_option("--dump-weights", o.dump_weights, "write all parameters as raw float32 (tests)")->group("");

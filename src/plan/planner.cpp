@@ -176,7 +176,7 @@ TimingReference Planner::timing_reference(Precision precision) const {
 }
 
 
-ChainCosts Planner::costs_at(int64_t m, const PrecisionProfile& p, const OptimizerCost& optimizer) const {
+ChainCosts Planner::costs_at(int64_t m, const PrecisionProfile& p, const OptimizerCost& optimizer, int prefetch_depth) const {
   ChainCosts c = block_costs_at(p, m);
   double block_seconds = 0;
   for (const auto& b : c.blocks) block_seconds += b.forward_seconds + b.backward_seconds;
@@ -190,7 +190,7 @@ ChainCosts Planner::costs_at(int64_t m, const PrecisionProfile& p, const Optimiz
   c.fixed_bytes = weight_bytes() + optimizer.state_bytes + profile_.batch_bytes + request_.resident_bytes;
   c.gradients_present = m < profile_.batch || !request_.step.set_to_none;
   c.segment_overhead_bytes = profile_.segment_overhead_bytes;
-  if (!request_.gathered_blocks.empty()) add_gathered_blocks(c);
+  if (!request_.gathered_blocks.empty()) add_gathered_blocks(c, prefetch_depth);
   return c;
 }
 
@@ -201,20 +201,60 @@ int64_t Planner::weight_bytes() const {
   return shards;
 }
 
-void Planner::add_gathered_blocks(ChainCosts& c) const {
+namespace {
+
+// ZeRO 3 with prefetch depth d: gathering block p_i (the i-th block with parameters) starts
+// the gathers of the next d such blocks in the pass's order, each alive from then until its
+// own use. So while any block j runs, the pending ones are those the last gathered block
+// started: in forward the d after the last p_i <= j, in backward the d before the first
+// p_i >= j. In backward, the reduction of the last block done (the first p_i > j) is in
+// flight too: its full gradients and the pieces its owner sums. Returns, per block, the bytes
+// in flight in forward (first) and in backward (second).
+std::vector<std::pair<int64_t, int64_t>> in_flight_bytes(const std::vector<GatheredBlockBytes>& blocks, int depth) {
+  std::vector<size_t> with_params;  // p_0, p_1, ...
+  for (size_t k = 0; k < blocks.size(); ++k) {
+    if (blocks[k].full > 0) with_params.push_back(k);
+  }
+  const auto ahead = [&](ptrdiff_t from, int step) {  // bytes of the d blocks after p_from in a pass
+    int64_t bytes = 0;
+    for (int t = 1; t <= depth; ++t) {
+      const ptrdiff_t i = from + step * t;
+      if (i >= 0 && i < static_cast<ptrdiff_t>(with_params.size())) bytes += blocks[with_params[static_cast<size_t>(i)]].full;
+    }
+    return bytes;
+  };
+  std::vector<std::pair<int64_t, int64_t>> out(blocks.size());
+  if (depth == 0 || with_params.empty()) return out;
+  for (size_t j = 0; j < blocks.size(); ++j) {
+    const auto last_before = std::upper_bound(with_params.begin(), with_params.end(), j) - with_params.begin() - 1;
+    const auto first_after = std::lower_bound(with_params.begin(), with_params.end(), j) - with_params.begin();
+    out[j].first = last_before >= 0 ? ahead(last_before, +1) : 0;
+    out[j].second = first_after < static_cast<ptrdiff_t>(with_params.size()) ? ahead(first_after, -1) : 0;
+    const auto done = std::upper_bound(with_params.begin(), with_params.end(), j);
+    if (done != with_params.end()) out[j].second += blocks[*done].full + blocks[*done].pieces;
+  }
+  return out;
+}
+
+}  // namespace
+
+void Planner::add_gathered_blocks(ChainCosts& c, int prefetch_depth) const {
   // ZeRO 3: the profile measured each block with its weights present all along and its full
   // gradients kept; here a block's full weights exist only while it runs (forward, recompute,
-  // backward: its peaks grow by them), and what stays of its gradients is the shard's.
-  // Autocast's weight copies are made per block while gathered (part of its forward peak),
-  // not cached ahead.
+  // backward: its peaks grow by them, and by the blocks gathered ahead of it), and what stays
+  // of its gradients is the shard's. Autocast's weight copies are made per block while
+  // gathered (part of its forward peak), not cached ahead.
   TORCH_CHECK(request_.gathered_blocks.size() == c.blocks.size(), "memfit::Planner: ", request_.gathered_blocks.size(),
               " gathered blocks for a chain of ", c.blocks.size());
+  const auto ahead = in_flight_bytes(request_.gathered_blocks, prefetch_depth);
   for (size_t k = 0; k < c.blocks.size(); ++k) {
     BlockCost& b = c.blocks[k];
     const GatheredBlockBytes& g = request_.gathered_blocks[k];
-    b.forward_peak += g.full;
-    b.forward_nograd_peak += g.full;
-    b.backward_peak += g.full;
+    // Every block is recomputed: its forward runs without grad in the forward pass, with grad
+    // (the recompute) in the backward pass.
+    b.forward_nograd_peak += g.full + ahead[k].first;
+    b.forward_peak += g.full + ahead[k].second;
+    b.backward_peak += g.full + ahead[k].second;
     b.param_bytes = g.shard;
     b.cast_bytes = 0;
   }
@@ -263,7 +303,7 @@ Plan Planner::prediction_base(int64_t budget) const {
 }
 
 Plan Planner::evaluate(int64_t m, Precision precision, const CheckpointPlan& checkpoint, int64_t budget,
-                       std::optional<StatePrecision> state) const {
+                       std::optional<StatePrecision> state, int prefetch_depth) const {
   if (budget <= 0) budget = request_.budget_bytes;
   check_option(m >= 1 && m <= profile_.batch, "micro_batch", m, "expected 1 to batch (" + std::to_string(profile_.batch) + ")");
   const PrecisionProfile& pp = precision_profile(precision);
@@ -273,7 +313,8 @@ Plan Planner::evaluate(int64_t m, Precision precision, const CheckpointPlan& che
   p.config.precision = precision;
   p.config.checkpoint = checkpoint;
   p.config.optimizer = request_.step.optimizer.with_state(optimizer.state);
-  p.predicted_peak = std::max(evaluate_schedule(costs_at(m, pp, optimizer), checkpoint.segments).peak_bytes,
+  p.config.prefetch_depth = prefetch_depth;
+  p.predicted_peak = std::max(evaluate_schedule(costs_at(m, pp, optimizer, prefetch_depth), checkpoint.segments).peak_bytes,
                               optimizer_peak(optimizer));
   p.predicted_seconds = step_seconds(m, pp, checkpoint.segments, optimizer);
   const auto usable = usable_bytes(budget);
@@ -285,10 +326,12 @@ int64_t Planner::floor_bytes() const {
   // The smallest peak over precisions (and optimizer states) at the smallest micro-batch
   // allowed, margin included.
   const int64_t m = request_.step.micro_batch > 0 ? request_.step.micro_batch : 1;
+  const int depth = request_.prefetch_depths.empty()
+                        ? 0 : *std::min_element(request_.prefetch_depths.begin(), request_.prefetch_depths.end());
   int64_t smallest = std::numeric_limits<int64_t>::max();
   for (const OptimizerCost* optimizer : optimizer_candidates()) {
     for (const auto& pp : profile_.precisions) {
-      const ChainCosts c = costs_at(m, pp, *optimizer);
+      const ChainCosts c = costs_at(m, pp, *optimizer, depth);
       const int64_t s = request_.checkpoint ? evaluate_schedule(c, request_.checkpoint->segments).peak_bytes : smallest_peak(c);
       smallest = std::min(smallest, std::max(s, optimizer_peak(*optimizer)));
     }
@@ -320,13 +363,24 @@ Plan Planner::unfitted_plan(Precision precision, StatePrecision state) const {
 
 Plan Planner::best_plan_at(int64_t m, const PrecisionProfile& pp, const OptimizerCost& optimizer, int64_t usable) const {
   Plan p = unfitted_plan(pp.precision, optimizer.state);
+  for (int depth : request_.prefetch_depths) {
+    p = best_plan_at(m, pp, optimizer, depth, usable);
+    if (p.feasible) break;
+  }
+  return p;
+}
+
+Plan Planner::best_plan_at(int64_t m, const PrecisionProfile& pp, const OptimizerCost& optimizer, int prefetch_depth,
+                           int64_t usable) const {
+  Plan p = unfitted_plan(pp.precision, optimizer.state);
   if (optimizer_peak(optimizer) > usable) return p;
-  const ChainCosts costs = costs_at(m, pp, optimizer);
+  const ChainCosts costs = costs_at(m, pp, optimizer, prefetch_depth);
   const Schedule s = request_.checkpoint ? evaluate_schedule(costs, request_.checkpoint->segments) : solve_schedule(costs, usable);
   if (!s.feasible || s.peak_bytes > usable) return p;
   p.feasible = true;
   p.config.micro_batch = m;
   p.config.checkpoint.segments = s.segments;
+  p.config.prefetch_depth = prefetch_depth;
   p.predicted_peak = std::max(s.peak_bytes, optimizer_peak(optimizer));
   p.predicted_seconds = step_seconds(m, pp, s.segments, optimizer);
   return p;
@@ -438,6 +492,10 @@ Plan Planner::plan(int64_t budget) const {
   p.predicted_seconds = best.predicted_seconds;
   p.notes.insert(p.notes.end(), best.notes.begin(), best.notes.end());
   explain_state_choice(p, best_with, budget);
+  if (request_.prefetch_depths.size() > 1 && p.config.prefetch_depth != request_.prefetch_depths.front()) {
+    p.notes.push_back("prefetch depth " + std::to_string(p.config.prefetch_depth) + ": deeper does not fit at micro-batch " +
+                      std::to_string(p.config.micro_batch_size()));
+  }
   return p;
 }
 

@@ -36,7 +36,8 @@ std::vector<GatheredBlockBytes> gathered_block_bytes(const std::vector<std::vect
       numel += p.numel();
       element = static_cast<int64_t>(p.element_size());
     }
-    out.push_back({numel * element, shard_numel(numel, world_size) * element});
+    const int64_t shard = shard_numel(numel, world_size) * element;
+    out.push_back({numel * element, shard, world_size * shard});
   }
   return out;
 }

@@ -7,7 +7,8 @@ namespace memfit {
 
 std::string StepConfig::describe() const {
   return "micro-batch " + std::to_string(micro_batch_size()) + " x " + std::to_string(accumulation()) + ", " +
-         precision_name(precision) + ", recompute " + checkpoint.describe();
+         precision_name(precision) + ", recompute " + checkpoint.describe() +
+         (prefetch_depth > 0 ? ", " + std::to_string(prefetch_depth) + " blocks gathered ahead" : "");
 }
 
 void check_step_config(const StepConfig& c, int blocks) {
@@ -22,6 +23,8 @@ void check_step_config(const StepConfig& c, int blocks) {
   }
   std::string why;
   check_option(precision_supported(c.precision, c.device.type(), &why), "precision", precision_name(c.precision), why);
+  check_option(c.prefetch_depth >= 0 && c.prefetch_depth <= kMaxPrefetchDepth, "prefetch_depth", c.prefetch_depth,
+               "expected 0 to " + std::to_string(kMaxPrefetchDepth));
   check_optimizer_spec(c.optimizer);
 }
 
@@ -34,7 +37,8 @@ nlohmann::json step_config_json(const StepConfig& c) {
           {"segments", c.checkpoint.segments},
           {"recomputed_blocks", c.checkpoint.recomputed_blocks()},
           {"set_to_none", c.set_to_none},
-          {"optimizer", optimizer_spec_json(c.optimizer)}};
+          {"optimizer", optimizer_spec_json(c.optimizer)},
+          {"prefetch_depth", c.prefetch_depth}};
 }
 
 StepConfig step_config_from_json(const nlohmann::json& j, int blocks) {
@@ -55,6 +59,8 @@ StepConfig step_config_from_json(const nlohmann::json& j, int blocks) {
   }
   c.set_to_none = jf::boolean(j, "set_to_none");
   c.optimizer = optimizer_spec_from_json(jf::field(j, "optimizer"));
+  // Absent in what earlier versions wrote: their ZeRO 3 gathered nothing ahead.
+  if (j.contains("prefetch_depth")) c.prefetch_depth = static_cast<int>(jf::integer(j, "prefetch_depth", 0, kMaxPrefetchDepth));
   check_step_config(c, blocks);
   return c;
 }

@@ -105,7 +105,7 @@ class CheckpointFunction : public torch::autograd::Function<CheckpointFunction> 
 // Gathered for the life of the scope (released on the way out, on errors too).
 class GatheredScope {
  public:
-  explicit GatheredScope(const GatheredParams& g) : g_(g) { g_.gather(); }
+  GatheredScope(const GatheredParams& g, GatherFor pass) : g_(g) { g_.gather(pass); }
   ~GatheredScope() { g_.release(); }
   GatheredScope(const GatheredScope&) = delete;
   GatheredScope& operator=(const GatheredScope&) = delete;
@@ -130,7 +130,7 @@ class GatheredFunction : public torch::autograd::Function<GatheredFunction> {
     (void)shard;
     ctx->save_for_backward({input});
     ctx->saved_data["state"] = c10::IValue::make_capsule(state);
-    GatheredScope gathered(state->gathered);
+    GatheredScope gathered(state->gathered, GatherFor::kForward);
     return state->block(input);
   }
 
@@ -142,7 +142,7 @@ class GatheredFunction : public torch::autograd::Function<GatheredFunction> {
     std::vector<at::Tensor> full_grads(params.size());
     at::Tensor input_grad;
     {
-      GatheredScope gathered(state->gathered);
+      GatheredScope gathered(state->gathered, GatherFor::kBackward);
       BufferGuard buffers(state->buffers);
       auto [x, y] = recompute_block(input, state->block, state->rng, state->autocast);
       std::vector<at::Tensor> wrt(params.begin(), params.end());
@@ -171,7 +171,7 @@ class GatheredFunction : public torch::autograd::Function<GatheredFunction> {
 at::Tensor checkpoint_gathered(BlockFn block, const at::Tensor& input, const at::Tensor& shard, GatheredParams gathered,
                                std::vector<at::Tensor> buffers) {
   if (!at::GradMode::is_enabled()) {
-    GatheredScope scope(gathered);
+    GatheredScope scope(gathered, GatherFor::kForward);
     return block(input);
   }
   auto state = c10::make_intrusive<GatheredState>();

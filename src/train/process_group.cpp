@@ -20,6 +20,7 @@
 
 #include "memfit/compat.h"
 #include "memfit/errors.h"
+#include "memfit/runtime/step_config.h"
 
 namespace memfit {
 namespace {
@@ -86,6 +87,10 @@ void validate(const DistributedOptions& o) {
   check_option(o.rank >= 0 && o.rank < o.world_size, "distributed.rank", o.rank,
                "expected 0 to " + std::to_string(o.world_size - 1) + " (one less than the world size)");
   check_option(o.zero_stage >= 0 && o.zero_stage <= 3, "zero_stage", o.zero_stage, "expected 0, 1, 2 or 3");
+  check_option(o.prefetch_depth >= -1 && o.prefetch_depth <= kMaxPrefetchDepth, "prefetch_depth", o.prefetch_depth,
+               "expected 0 to " + std::to_string(kMaxPrefetchDepth) + " (unset: the plan chooses)");
+  check_option(o.prefetch_depth < 0 || o.zero_stage == 3, "prefetch_depth", o.prefetch_depth,
+               "blocks are gathered ahead at ZeRO 3 only; this run is at stage " + std::to_string(o.zero_stage));
   check_option(o.timeout_seconds > 0 && o.timeout_seconds <= 86400, "distributed.timeout", seconds_text(o.timeout_seconds),
                "expected a positive number of seconds, at most a day (86400)");
   check_option(o.backend == "auto" || o.backend == "gloo" || o.backend == "nccl", "distributed.backend", o.backend,
@@ -388,6 +393,20 @@ void PendingCollectives::reduce_sum(const at::Tensor& tensor, int root) {
   c10d::ReduceOptions opts;
   opts.rootRank = root;
   works_->works.push_back(impl.issue(what_, [&] { return impl.group->reduce(tensors, opts); }));
+}
+
+void PendingCollectives::send(const at::Tensor& tensor, int to, int tag) {
+  if (!group_.impl_) return;
+  auto& impl = *group_.impl_;
+  std::vector<at::Tensor> tensors{tensor};
+  works_->works.push_back(impl.issue(what_, [&] { return impl.group->send(tensors, to, tag); }));
+}
+
+void PendingCollectives::receive(const at::Tensor& tensor, int from, int tag) {
+  if (!group_.impl_) return;
+  auto& impl = *group_.impl_;
+  std::vector<at::Tensor> tensors{tensor};
+  works_->works.push_back(impl.issue(what_, [&] { return impl.group->recv(tensors, from, tag); }));
 }
 
 void PendingCollectives::wait() {

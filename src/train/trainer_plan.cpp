@@ -48,7 +48,8 @@ void Trainer::Impl::choose_plan() {
     if (!plan.plan.feasible && pinned) {
       // The user fixed the configuration: run it, and let out-of-memory recovery split.
       plan.plan = planner.evaluate(options.step.micro_batch, planner.profile().precisions.front().precision,
-                                   options.step.checkpoint, plan.budget);
+                                   options.step.checkpoint, plan.budget, std::nullopt,
+                                   planner.request().prefetch_depths.back());
       plan.plan.notes.push_back("the pinned configuration is predicted to need " + format_bytes(plan.plan.predicted_peak) +
                                 ", over the budget: micro-batches will be split when memory runs out");
     } else if (!plan.plan.feasible) {
@@ -79,7 +80,7 @@ void Trainer::Impl::adopt_rank0_plan() {
   const int64_t m = std::min(theirs.config.micro_batch_size(), local.length);
   std::vector<std::string> notes = plan.plan.notes;
   plan.plan = plan.job->planner().evaluate(m, theirs.config.precision, theirs.config.checkpoint, plan.budget,
-                                           theirs.config.optimizer.state);
+                                           theirs.config.optimizer.state, theirs.config.prefetch_depth);
   plan.plan.notes = notes;
   plan.plan.notes.push_back("using rank 0's plan (this rank's own choice differed)");
 }
@@ -92,6 +93,7 @@ void Trainer::Impl::prepare_steps() {
     optimizer.build(options.step.optimizer, config.optimizer.state, strategy->optimized_parameters());
   }
   strategy->check_plan(plan.plan);
+  strategy->use_config(config);
   if (config.precision == Precision::kFP16) {
     recovery.scaler = std::make_unique<GradScaler>(GradScalerOptions{65536.0, 2.0, 0.5, 2000, true});
   }

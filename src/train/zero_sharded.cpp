@@ -38,6 +38,8 @@ ZeroSharded::ZeroSharded(std::unique_ptr<ProcessGroup> group, Chain& chain) : St
   install_runner();
 }
 
+// (Gathers and a reduction still in flight are waited for by their PendingCollectives, which
+// report no error while unwinding from another.)
 ZeroSharded::~ZeroSharded() { chain_.set_block_runner({}); }  // the runner points here
 
 // Block i's parameters laid out flat; this rank's range of them becomes its shard.
@@ -76,17 +78,65 @@ void ZeroSharded::install_runner() {
   chain_.set_block_runner([this](int index, const at::Tensor& x, const BlockFn& run) { return run_block(index, x, run); });
 }
 
-void ZeroSharded::gather(BlockShard& b) {
+ZeroSharded::Prefetch ZeroSharded::start_gather(const BlockShard& b) {
   at::NoGradGuard no_grad;
   c10::InferenceMode normal_tensors(false);  // the parameters' data outlives an evaluation's inference mode
-  at::autocast::clear_cache();  // a cached cast of a parameter is of its previous (released) value
   const int64_t s = b.shard_numel;
-  const at::Tensor flat = at::empty({s * world_size()}, at::TensorOptions().dtype(b.shard.scalar_type()).device(b.shard.device()));
-  flat.narrow(0, rank() * s, s).copy_(b.shard.detach());
-  PendingCollectives pending(group(), "gathering a block's weights (ZeRO 3)");
-  for (int r = 0; r < world_size(); ++r) pending.broadcast(flat.narrow(0, r * s, s), r);
-  pending.wait();
-  set_views(b, flat);
+  Prefetch f;
+  f.flat = at::empty({s * world_size()}, at::TensorOptions().dtype(b.shard.scalar_type()).device(b.shard.device()));
+  f.flat.narrow(0, rank() * s, s).copy_(b.shard.detach());
+  f.shard_version = b.shard._version();
+  f.pending = std::make_unique<PendingCollectives>(group(), "gathering a block's weights (ZeRO 3)");
+  for (int r = 0; r < world_size(); ++r) f.pending->broadcast(f.flat.narrow(0, r * s, s), r);
+  return f;
+}
+
+void ZeroSharded::gather(BlockShard& b) {
+  at::NoGradGuard no_grad;
+  std::optional<Prefetch> f;
+  if (auto it = prefetched_.find(b.block); it != prefetched_.end()) {
+    f = std::move(it->second);
+    prefetched_.erase(it);
+    f->pending->wait();  // every rank started it: wait even when it is stale
+    if (f->shard_version != b.shard._version()) f.reset();
+  }
+  if (!f) {
+    f = start_gather(b);
+    f->pending->wait();
+  }
+  at::autocast::clear_cache();  // a cached cast of a parameter is of its previous (released) value
+  set_views(b, f->flat);
+}
+
+void ZeroSharded::gather_in_pass(int k, GatherFor pass) {
+  // A backward that failed part-way (out of memory: the micro-batch is redone) leaves its
+  // reduction unfinished; its gradients must not count.
+  if (pass == GatherFor::kForward && reduction_.pending) drop_reduction();
+  gather(shards_[static_cast<size_t>(k)]);
+  const int step = pass == GatherFor::kForward ? 1 : -1;
+  for (int t = 1; t <= prefetch_depth_; ++t) {
+    const int next = k + step * t;
+    if (next < 0 || next >= static_cast<int>(shards_.size())) break;
+    const BlockShard& b = shards_[static_cast<size_t>(next)];
+    if (prefetched_.count(b.block) == 0) prefetched_.emplace(b.block, start_gather(b));
+  }
+}
+
+void ZeroSharded::drop_reduction() {
+  Reduction r = std::move(reduction_);
+  reduction_ = Reduction{};
+  r.pending->wait();  // every rank started it
+}
+
+void ZeroSharded::drop_prefetched() {
+  for (auto& [block, f] : prefetched_) f.pending->wait();
+  prefetched_.clear();
+}
+
+bool ZeroSharded::optimizer_step(torch::optim::Optimizer& optimizer, const StepOptions& options) {
+  drop_prefetched();
+  finish_reduction();
+  return Strategy::optimizer_step(optimizer, options);
 }
 
 // One allocation for the block, freed when all its parameters are released.
@@ -163,14 +213,78 @@ at::Tensor ZeroSharded::sum_in_rank_order(at::Tensor mine, int owner) {
   return sum;
 }
 
+at::Tensor ZeroSharded::reduce_in_flight(int k, std::vector<at::Tensor> full_grads) {
+  finish_reduction();
+  start_reduction(k, std::move(full_grads));
+  if (k == 0) finish_reduction();  // the backward's last block with parameters
+  return at::Tensor();
+}
+
+// This rank's piece of every other rank's range goes to that rank (a send per parameter
+// piece, tagged by the parameter), and the other ranks' pieces of this rank's range come in.
+void ZeroSharded::start_reduction(int k, std::vector<at::Tensor> full_grads) {
+  at::NoGradGuard no_grad;
+  BlockShard& b = shards_[static_cast<size_t>(k)];
+  const int64_t s = b.shard_numel;
+  Reduction r;
+  r.shard = k;
+  for (size_t i = 0; i < b.params.size(); ++i) {
+    const at::Tensor& g = full_grads[i];
+    const int64_t numel = c10::multiply_integers(b.shapes[i]);
+    r.flat_grads.push_back(g.defined() ? g.reshape({-1}).contiguous() : at::zeros({numel}, b.shard.options()));
+  }
+  full_grads.clear();
+  r.pieces = at::zeros({world_size(), s}, b.shard.options());  // the padding's gradient stays zero
+  r.pending = std::make_unique<PendingCollectives>(group(), "sending a block's gradients to their owners (ZeRO 3)");
+  for (int owner = 0; owner < world_size(); ++owner) {
+    for (size_t i = 0; i < b.params.size(); ++i) {
+      const int64_t lo = std::max(b.offsets[i], owner * s);
+      const int64_t hi = std::min(b.offsets[i] + r.flat_grads[i].numel(), (owner + 1) * s);
+      if (lo >= hi) continue;
+      const at::Tensor mine = r.flat_grads[i].narrow(0, lo - b.offsets[i], hi - lo);
+      const int tag = static_cast<int>(i);
+      if (owner != rank()) {
+        r.pending->send(mine, owner, tag);
+        continue;
+      }
+      r.pieces[rank()].narrow(0, lo - owner * s, hi - lo).copy_(mine);
+      for (int from = 0; from < world_size(); ++from) {
+        if (from != rank()) r.pending->receive(r.pieces[from].narrow(0, lo - owner * s, hi - lo), from, tag);
+      }
+    }
+  }
+  reduction_ = std::move(r);
+}
+
+void ZeroSharded::finish_reduction() {
+  if (!reduction_.pending) return;
+  at::NoGradGuard no_grad;
+  Reduction r = std::move(reduction_);
+  reduction_ = Reduction{};
+  r.pending->wait();
+  r.flat_grads.clear();
+  // ((g0 + g1) + g2) + ...: the chain's order, so the same bits.
+  at::Tensor sum = r.pieces[0].clone();
+  for (int from = 1; from < world_size(); ++from) sum.add_(r.pieces[from]);
+  r.pieces = at::Tensor();
+  at::Tensor& grad = shards_[static_cast<size_t>(r.shard)].shard.mutable_grad();
+  if (grad.defined()) {
+    grad.add_(sum);
+  } else {
+    grad = sum;
+  }
+}
+
 at::Tensor ZeroSharded::run_block(int index, const at::Tensor& x, const BlockFn& run) {
   const int k = shard_of_block_.at(static_cast<size_t>(index));
   if (k < 0) return run(x);  // nothing to gather: an ordinary block
   GatheredParams g;
   g.params = shards_[static_cast<size_t>(k)].params;
-  g.gather = [this, k] { gather(shards_[static_cast<size_t>(k)]); };
+  g.gather = [this, k](GatherFor pass) { gather_in_pass(k, pass); };
   g.release = [this, k] { release(shards_[static_cast<size_t>(k)]); };
-  g.reduce = [this, k](std::vector<at::Tensor> grads) { return reduce_to_shard(shards_[static_cast<size_t>(k)], std::move(grads)); };
+  g.reduce = [this, k](std::vector<at::Tensor> grads) {
+    return prefetch_depth_ > 0 ? reduce_in_flight(k, std::move(grads)) : reduce_to_shard(shards_[static_cast<size_t>(k)], std::move(grads));
+  };
   return checkpoint_gathered(run, x, shards_[static_cast<size_t>(k)].shard, std::move(g), chain_.block_buffers(index, index));
 }
 
@@ -178,7 +292,7 @@ std::vector<GatheredBlockBytes> ZeroSharded::block_bytes() const {
   std::vector<GatheredBlockBytes> out(static_cast<size_t>(chain_.size()));
   for (const auto& b : shards_) {
     const auto element = static_cast<int64_t>(b.shard.element_size());
-    out[static_cast<size_t>(b.block)] = {b.numel * element, b.shard_numel * element};
+    out[static_cast<size_t>(b.block)] = {b.numel * element, b.shard_numel * element, world_size() * b.shard_numel * element};
   }
   return out;
 }
@@ -320,6 +434,8 @@ std::vector<at::Tensor> ZeroSharded::optimized_parameters() const {
 
 void ZeroSharded::add_to_plan_request(PlanRequest& request, const MeasuredCosts& costs, const StateUse& state) const {
   request.gathered_blocks = block_bytes();
+  const int pinned = group().options().prefetch_depth;
+  request.prefetch_depths = pinned >= 0 ? std::vector<int>{pinned} : std::vector<int>{2, 1, 0};
   request.gradient_bytes = owned_bytes_;
   request.checkpoint = CheckpointPlan::all(chain_.size());  // what gathering does anyway
   if (state.saves || state.resumes) request.optimizer_alternatives.clear();  // fp32 state: saving splits it by parameter

@@ -35,6 +35,15 @@ tiny=(--layers 1 --d-model 32 --heads 2 --seq 16 --batch 8 --dropout 0 "${quiet[
 "$memfit" launch --nproc 4 -- train "${tiny[@]}" "${pinned[@]}" --steps 3 --micro-batch 2 --zero 3 --dump-weights tiny_z3n4.bin \
   > tiny_z3n4.out 2>&1 || bad "4-rank stage 3 run failed: $(tail -5 tiny_z3n4.out)"
 
+# Every prefetch depth, with 2 micro-batches per rank: the same sums in the same order, so the
+# same bits (depth 0 sums along the chain of sends, depths 1-2 while the next block computes).
+for depth in 0 1 2; do
+  "$memfit" launch --nproc 2 -- train "${small[@]}" "${pinned[@]}" --steps 4 --micro-batch 2 --zero 3 --prefetch-depth $depth \
+    --json-log depth$depth.jsonl --dump-weights depth$depth.bin > depth$depth.out 2>&1 \
+    || bad "stage 3 at prefetch depth $depth failed: $(tail -5 depth$depth.out)"
+done
+cmp -s depth0.bin depth1.bin && cmp -s depth0.bin depth2.bin && ok || bad "prefetch depths 0, 1, 2 trained different weights"
+
 py <<'PY' && ok || bad "stage 3 weights differ from single-process training"
 import array
 def load(path):
@@ -82,6 +91,18 @@ assert pred and peak, "rank 1 printed no plan or summary"
 p1, m1 = int(pred.group(1)), int(peak.group(1))
 print(f"  rank 1: measured peak {m1} B, predicted {p1} B: {m1 / p1:.4f}")
 assert abs(m1 / p1 - 1) <= 0.05, (m1, p1)
+PY
+
+# At each prefetch depth: the plan runs it, and rank 0 peaks within 5% of the plan's prediction
+# (which counts the blocks in flight).
+py depth0.jsonl depth1.jsonl depth2.jsonl <<'PY' && ok || bad "stage 3 peak vs plan at a prefetch depth"
+import json, sys
+for depth, path in enumerate(sys.argv[1:]):
+    s = [json.loads(l) for l in open(path)][-1]
+    assert s["plan"]["config"]["prefetch_depth"] == depth, s["plan"]["config"]
+    measured, predicted = s["peak_bytes"], s["plan"]["predicted"]["peak_bytes"]
+    print(f"  prefetch depth {depth}: rank 0 measured peak {measured} B, predicted {predicted} B: {measured / predicted:.4f}")
+    assert abs(measured / predicted - 1) <= 0.05, (depth, measured, predicted)
 PY
 
 # The HTML report's rank table at stage 3, with the gathered block.

@@ -58,6 +58,10 @@ struct PlanRequest {
   // forward, recompute and backward (one block at a time); every block is recomputed, so
   // `checkpoint` must be every block (the trainer pins it).
   std::vector<GatheredBlockBytes> gathered_blocks;
+  // ZeRO 3: the prefetch depths a plan may use (StepConfig::prefetch_depth), in order of
+  // preference; at each micro-batch the first that fits is taken. The time model does not see
+  // the gathers a depth hides, so deeper is preferred where it costs no compute.
+  std::vector<int> prefetch_depths{0};
 };
 
 // "auto": fp32, then the mixed precisions autocast runs on `device` (bf16 on CPU; bf16 and
@@ -94,7 +98,7 @@ class Planner {
   // The prediction for one configuration, fitting or not (feasible says whether it fits);
   // state: the optimizer's state precision (unset: request.optimizer's).
   Plan evaluate(int64_t micro_batch, Precision precision, const CheckpointPlan& checkpoint, int64_t budget_bytes = 0,
-                std::optional<StatePrecision> state = std::nullopt) const;
+                std::optional<StatePrecision> state = std::nullopt, int prefetch_depth = 0) const;
   // The smallest budget any plan reaches (margin included): Plan::floor_bytes without planning.
   int64_t floor_bytes() const;
   // The modelled costs at micro-batch m (fitted), with the step's fixed bytes; precision: the
@@ -134,7 +138,7 @@ class Planner {
   const PrecisionProfile& precision_profile(Precision precision) const;
   const OptimizerCost& optimizer_cost(StatePrecision state) const;
   std::vector<const OptimizerCost*> optimizer_candidates() const;
-  ChainCosts costs_at(int64_t m, const PrecisionProfile& p, const OptimizerCost& optimizer) const;
+  ChainCosts costs_at(int64_t m, const PrecisionProfile& p, const OptimizerCost& optimizer, int prefetch_depth = 0) const;
   double chain_seconds(int64_t m, const PrecisionProfile& p) const;
   const PrecisionProfile& timed_precision() const;  // the first precision whose chain was timed
   int64_t optimizer_peak(const OptimizerCost& optimizer) const;
@@ -142,12 +146,14 @@ class Planner {
   // The allocated bytes a plan for `budget` may peak at: outside memory, the allocator's
   // reserved/allocated relation and the margin taken off.
   int64_t usable_bytes(int64_t budget) const;
-  void add_gathered_blocks(ChainCosts& costs) const;
+  void add_gathered_blocks(ChainCosts& costs, int prefetch_depth) const;
   Plan prediction_base(int64_t budget) const;
   std::vector<int64_t> candidate_sizes() const;  // the pinned micro-batch, or B, B/2, B/4, ... 1
   Plan unfitted_plan(Precision precision, StatePrecision state) const;  // feasible false, config defaults
   // The best plan at micro-batch m (not feasible when none fits `usable`).
   Plan best_plan_at(int64_t m, const PrecisionProfile& p, const OptimizerCost& optimizer, int64_t usable) const;
+  Plan best_plan_at(int64_t m, const PrecisionProfile& p, const OptimizerCost& optimizer, int prefetch_depth,
+                    int64_t usable) const;
   Plan best_plan_of(const PrecisionProfile& p, const OptimizerCost& optimizer, int64_t usable) const;
   Plan best_plan_with(const OptimizerCost& optimizer, int64_t usable) const;
   void explain_choice(Plan& chosen, const std::vector<Plan>& best_of) const;

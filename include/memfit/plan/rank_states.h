@@ -26,6 +26,7 @@ std::vector<int> partition_by_bytes(const std::vector<at::Tensor>& parameters, i
 struct GatheredBlockBytes {
   int64_t full = 0;
   int64_t shard = 0;
+  int64_t pieces = 0;  // N x shard: its gradients' pieces an owner sums (reduction in flight)
 };
 // Elements per rank of a block of `numel` elements over `world_size` ranks (padded).
 int64_t shard_numel(int64_t numel, int world_size);

@@ -22,6 +22,8 @@
 
 namespace memfit {
 
+constexpr int kMaxPrefetchDepth = 2;
+
 struct StepConfig {
   c10::Device device = c10::kCPU;
   int64_t batch = 1;                   // samples per optimizer step (this rank's)
@@ -30,6 +32,9 @@ struct StepConfig {
   CheckpointPlan checkpoint;           // blocks recomputed in backward
   bool set_to_none = true;             // gradients released after the step (else zeroed)
   OptimizerSpec optimizer;
+  // ZeRO 3: how many blocks' weights are gathered ahead of the block running (0 to
+  // kMaxPrefetchDepth); each costs one more gathered block's bytes and hides its gather.
+  int prefetch_depth = 0;
 
   int64_t micro_batch_size() const { return micro_batch > 0 ? micro_batch : batch; }
   int64_t accumulation() const { return batch < 1 ? 0 : (batch - 1) / micro_batch_size() + 1; }  // no overflow
@@ -38,12 +43,14 @@ struct StepConfig {
 };
 
 // Throws OptionError unless batch >= 1, 0 <= micro_batch <= batch, the checkpoint segments
-// lie inside `blocks`, the precision runs on the device, and the optimizer spec holds.
+// lie inside `blocks`, the precision runs on the device, the prefetch depth is 0 to
+// kMaxPrefetchDepth, and the optimizer spec holds.
 void check_step_config(const StepConfig& config, int blocks);
 
 // The one JSON form (plan output, saved state, summary, HTML, the broadcast to ranks):
 // {"device", "batch", "micro_batch", "accumulation", "precision", "segments",
-//  "recomputed_blocks", "set_to_none", "optimizer"}. Reading checks the value against `blocks`.
+//  "recomputed_blocks", "set_to_none", "optimizer", "prefetch_depth"}. Reading checks the value
+// against `blocks`.
 nlohmann::json step_config_json(const StepConfig& config);
 StepConfig step_config_from_json(const nlohmann::json& json, int blocks);
 

@@ -31,9 +31,12 @@ at::Tensor checkpoint(BlockFn block, const at::Tensor& input, at::TensorList par
 // A block whose parameters exist in full only while gathered (ZeRO 3, train/zero_sharded.h):
 // the hooks make `params` hold their full values, free them again, and turn the full
 // gradients of `params` (undefined where unused) into this process's shard's gradient.
+// `gather` is told which pass needs the weights: the next block to gather follows the pass's
+// order (forward: the next block; backward: the previous one), which prefetching relies on.
+enum class GatherFor { kForward, kBackward };
 struct GatheredParams {
   std::vector<at::Tensor> params;
-  std::function<void()> gather;
+  std::function<void(GatherFor pass)> gather;
   std::function<void()> release;
   std::function<at::Tensor(std::vector<at::Tensor> full_grads)> reduce;
 };

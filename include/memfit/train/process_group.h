@@ -30,13 +30,14 @@ struct DistributedOptions {
   int rank = 0;
   std::string master = "127.0.0.1:29500";  // HOST:PORT of the rendezvous store rank 0 opens
   int zero_stage = 0;                   // 0 to 3: which strategy (strategy.h)
+  int prefetch_depth = -1;              // ZeRO 3: blocks gathered ahead, 0 to 2; -1: the plan chooses
   double timeout_seconds = 30;          // rendezvous and every collective
   std::string backend = "auto";         // auto (gloo on CPU) | gloo | nccl
   bool enabled() const { return world_size > 1; }
 };
 
 // Throws OptionError naming the option (distributed.world_size, .rank, .master, .timeout,
-// .backend, zero_stage).
+// .backend, zero_stage, prefetch_depth).
 void validate(const DistributedOptions& options);
 
 // HOST:PORT split; throws OptionError naming distributed.master.
@@ -103,6 +104,10 @@ class PendingCollectives {
   void broadcast(const at::Tensor& tensor, int root);
   void all_reduce_sum(const at::Tensor& tensor);
   void reduce_sum(const at::Tensor& tensor, int root);
+  // Point to point: a message is matched by sender, receiver and tag, so several may be in
+  // flight between two ranks at once when their tags differ.
+  void send(const at::Tensor& tensor, int to, int tag);
+  void receive(const at::Tensor& tensor, int from, int tag);
   // Returns when every collective issued is done; the first failure throws DistributedError.
   void wait();
 

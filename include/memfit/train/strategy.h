@@ -98,6 +98,8 @@ class Strategy {
   virtual bool times_micro_batches_alone() const { return true; }
   // Throws OptionError if this strategy cannot run `plan` (a precision it does not support).
   virtual void check_plan(const Plan& plan) const {}
+  // Takes what it needs of the configuration every rank runs (ZeRO 3: the prefetch depth).
+  virtual void use_config(const StepConfig& config) {}
   // While alive, the chain runs as a single process runs it (every weight present): what
   // profiling measures. Collective where weights are sharded: every rank enters it together.
   class WholeModelScope {

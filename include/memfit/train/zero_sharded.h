@@ -9,8 +9,18 @@
 // its forward and again before its recompute and backward, released after each, and as soon as
 // its backward ends its full gradients are summed for their owners, range by range, along a
 // chain of c10d sends in rank order (Gloo has no reduce_scatter, and its reduce sums in an
-// order of its own): the sums, so the weights, equal single-process training bit for bit. At
-// most one block is gathered at a time.
+// order of its own): the sums, so the weights, equal single-process training bit for bit.
+//
+// Prefetch (the plan's StepConfig::prefetch_depth, d): gathering a block also starts the
+// gathers of the next d blocks in the pass's order (forward: the following ones; backward,
+// recompute included: the preceding ones), so a block's weights travel while the blocks before
+// it compute. At most 1 + d blocks' weights are held at once (the planner counts them); a
+// gather started before the shard changed (an optimizer step) is dropped, never used. With
+// d >= 1 a block's gradients also travel while the block before it runs its backward: each
+// rank sends each owner its piece of the owner's range (tagged c10d sends), the owner sums the
+// N pieces in rank order when the next block's backward is done (the same order as the chain,
+// so the same bits) and adds the sum to its shard's .grad; the backward's last block is summed
+// at once, so no reduction outlives a backward.
 //
 // Saving gathers one block at a time on rank 0 (its weights and fp32 optimizer state), which
 // writes that block's part of the single-process format; resuming reads one block's part at a
@@ -18,6 +28,7 @@
 #pragma once
 
 #include <functional>
+#include <map>
 #include <optional>
 
 #include "memfit/train/strategy.h"
@@ -54,6 +65,11 @@ class ZeroSharded : public Strategy {
               c10::Device device) override;
   std::string weights_sha256(const std::string& dump_path) override;
   bool holds_whole_model() const override { return false; }
+  // Takes the plan's prefetch depth (every rank runs rank 0's plan: the same gathers).
+  void use_config(const StepConfig& config) override { prefetch_depth_ = config.prefetch_depth; }
+  // Lets gathers started for this step's passes go first: the shards change.
+  bool optimizer_step(torch::optim::Optimizer& optimizer, const StepOptions& options) override;
+  void reduce_gradients() override { finish_reduction(); }
 
   // Every rank calls these ------------------------------------------------------------------
   // Gathers the blocks one at a time, in order, calls `visit` with each block's parameters
@@ -87,10 +103,32 @@ class ZeroSharded : public Strategy {
     int64_t shard_numel = 0;         // s: each rank's elements, numel padded to a multiple of N, / N
     at::Tensor shard;                // this rank's s elements: a leaf requiring grad
   };
+  // A gather started ahead of its use: the flat block its collectives fill, and the shard's
+  // version when it started (a later version means the values are stale).
+  struct Prefetch {
+    at::Tensor flat;
+    std::unique_ptr<PendingCollectives> pending;
+    uint32_t shard_version = 0;
+  };
+  // A block's gradients on their way to their owners: this rank's full gradients (sent from),
+  // and the N pieces of this rank's range, one row per rank (this rank's copied in).
+  struct Reduction {
+    int shard = -1;                      // index into shards_
+    std::vector<at::Tensor> flat_grads;  // per parameter, flat
+    at::Tensor pieces;                   // [N, s]
+    std::unique_ptr<PendingCollectives> pending;
+  };
   class GatheredModel;
   BlockShard make_shard(int block);
   void install_runner();  // the chain runs its blocks through run_block
+  Prefetch start_gather(const BlockShard& b);  // issued, not waited for
+  // Block b's full weights in its parameters: from its prefetch when one is current, else
+  // gathered now.
   void gather(BlockShard& b);
+  // shards_[k] gathered for `pass`, and the gathers of the next prefetch_depth_ blocks in that
+  // pass's order started.
+  void gather_in_pass(int k, GatherFor pass);
+  void drop_prefetched();  // waits for the gathers started and not used, and frees them
   void set_views(BlockShard& b, const at::Tensor& flat);  // the parameters become views of a flat block
   at::Tensor own_range(const BlockShard& b, const at::Tensor& flat) const;  // this rank's s elements of a flat block
   at::Tensor gather_to_rank0(const at::Tensor& piece, int64_t s, const char* what);  // rank 0: all ranks' pieces
@@ -99,6 +137,12 @@ class ZeroSharded : public Strategy {
   void release(BlockShard& b);
   at::Tensor reduce_to_shard(BlockShard& b, std::vector<at::Tensor> full_grads);
   at::Tensor sum_in_rank_order(at::Tensor mine, int owner);
+  // Prefetch depth >= 1: block k's reduction started (the previous one finished first), and
+  // the undefined tensor autograd then gets as its shard's gradient.
+  at::Tensor reduce_in_flight(int k, std::vector<at::Tensor> full_grads);
+  void start_reduction(int k, std::vector<at::Tensor> full_grads);
+  void finish_reduction();  // waits, sums in rank order into the shard's .grad; none pending: nothing
+  void drop_reduction();    // waits, and lets the gradients go
   at::Tensor run_block(int index, const at::Tensor& x, const BlockFn& run);
   // Runs `use`, then releases block b, also when `use` throws.
   void release_after(BlockShard& b, const std::function<void()>& use);
@@ -107,6 +151,9 @@ class ZeroSharded : public Strategy {
   int64_t owned_bytes_ = 0;
   std::vector<BlockShard> shards_;     // the blocks with parameters, in order
   std::vector<int> shard_of_block_;    // index into shards_ per block, -1 without parameters
+  int prefetch_depth_ = 0;
+  std::map<int, Prefetch> prefetched_;  // by block index: gathers started ahead of their use
+  Reduction reduction_;                 // in flight while the next block's backward runs
 };
 
 }  // namespace memfit
