@@ -21,6 +21,10 @@ void print_configuration(const Plan& plan, const std::vector<std::string>& block
              names.empty() ? "" : " (" + fmt::format("{}", fmt::join(names, " ")) + ")",
              plan.checkpoint_pinned ? " (pinned)" : "");
   fmt::print("  {:<28}{}\n", "optimizer", c.optimizer.describe());
+  if (c.prefetch_depth > 0) {
+    fmt::print("  {:<28}{} block{} ahead, gradients reduced during the next block's backward\n", "gathered (ZeRO 3)",
+               c.prefetch_depth, c.prefetch_depth == 1 ? "" : "s");
+  }
 }
 
 // The verified steps on a CUDA device: reserved bytes predicted by the allocator model and, on
