@@ -174,6 +174,7 @@ Schedule solve_schedule(const ChainCosts& costs, int64_t limit, int slots) {
       for (int q = p; q < n; ++q) {
         for (bool ck : {false, true}) {
           if (!ck && q != p) continue;
+          if (ck && !m.b(q).recomputable) continue;
           const Unit u{p, q, ck};
           const int h_before = h + to_slots(m.pending(p - 1, ck));
           if (h_before > slots) continue;
@@ -186,6 +187,7 @@ Schedule solve_schedule(const ChainCosts& costs, int64_t limit, int slots) {
             parent[q + 1][h_after] = {p, q, h, ck};
           }
         }
+        if (!m.b(q).recomputable) break;  // no segment from p reaches past it
       }
     }
   }

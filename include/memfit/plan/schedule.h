@@ -30,6 +30,9 @@ struct BlockCost {
   int64_t cast_bytes = 0;        // autocast's low-precision copies of its weights (0 in fp32): a
                                  // step makes all of them before forward and caches them until
                                  // forward ends (plain blocks' copies then live on in the graph)
+  bool recomputable = true;      // false: never in a checkpointed segment (a part of the step its
+                                 // caller cannot run again alone, such as the code before the
+                                 // first block of a Python model); not in the profile's JSON
 };
 
 struct ChainCosts {
