@@ -108,12 +108,6 @@ nlohmann::json outside_json(const OutsideMemory& m) {
   return {{"device_total", m.device_total}, {"context_and_others", m.context_and_others}, {"cublas", m.cublas}};
 }
 
-std::vector<std::string> block_names(const Chain& chain) {
-  std::vector<std::string> names;
-  for (int i = 0; i < chain.size(); ++i) names.push_back(chain.block(i).name);
-  return names;
-}
-
 double seconds_since(std::chrono::steady_clock::time_point t0) {
   return std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
 }
@@ -193,7 +187,7 @@ int run_plan_command(WorkloadFlags& wf, const StepFlags& sf, const PlanFlags& f)
     std::cout << j.dump(2) << "\n";
   } else {
     fmt::print("{}\n", w.description);
-    print_plan(plan, block_names(*w.chain), verified ? &v : nullptr,
+    print_plan(plan, w.chain->block_names(), verified ? &v : nullptr,
                fmt::format("{} {:.2f} s, planning {:.3f} s",
                            source.cached ? "profile read from the cache (--replan measures again) in" : "profiling",
                            source.seconds, solve_s));

@@ -81,10 +81,8 @@ Report run_report(Workload& w, const ReportOptions& o) {
   r.parameters = parameter_count(*w.chain);
   r.parameter_bytes = parameter_bytes(*w.chain);
   r.batch = o.step.batch;
-  for (int i = 0; i < w.chain->size(); ++i) {
-    r.block_names.push_back(w.chain->block(i).name);
-    r.block_recomputed.push_back(o.step.checkpoint.recomputes(i));
-  }
+  r.block_names = w.chain->block_names();
+  for (int i = 0; i < w.chain->size(); ++i) r.block_recomputed.push_back(o.step.checkpoint.recomputes(i));
   auto optimizer = make_optimizer(o.step.optimizer, w.chain->parameters());
   RunTrace run;
   CudaPredictionOptions run_cuda_options = cuda_options;

@@ -122,7 +122,7 @@ ReportDocument Trainer::Impl::report_document() const {
   d.device = options.step.device.str();
   d.budget_bytes = plan.budget;
   d.step = record.last_step;
-  d.block_names = block_names();
+  d.block_names = workload.chain->block_names();
   for (int i = 0; i < workload.chain->size(); ++i) d.block_recomputed.push_back(plan.plan.config.checkpoint.recomputes(i));
   const Plan& p = plan.plan;
   const StepConfig& c = p.config;

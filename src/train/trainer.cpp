@@ -88,12 +88,6 @@ StepOptions Trainer::Impl::step_options() const {
   return so;
 }
 
-std::vector<std::string> Trainer::Impl::block_names() const {
-  std::vector<std::string> names;
-  for (int i = 0; i < workload.chain->size(); ++i) names.push_back(workload.chain->block(i).name);
-  return names;
-}
-
 StartEvent Trainer::Impl::start_event() const {
   StartEvent e;
   e.description = workload.description;

@@ -159,7 +159,6 @@ struct Trainer::Impl {
   Batch local_batch(int64_t index) const;  // this rank's part of training batch `index`, on the device
   StepOptions step_options() const;
   StartEvent start_event() const;
-  std::vector<std::string> block_names() const;
 
   // trainer_plan.cpp
   void make_plan_job();

@@ -118,7 +118,7 @@ const Plan& Trainer::plan() {
   TrainSummary& s = t.record.summary;
   s.planning_seconds = t.plan.seconds;
   s.profile_cached = t.plan.job->source().cached;
-  const std::vector<std::string> names = t.block_names();
+  const std::vector<std::string> names = t.workload.chain->block_names();
   t.observers.on_plan({t.plan.plan, names, t.plan.seconds, s.profile_cached, !t.plan.job->source().path.empty()});
   t.memory->tracker->reset_phase_times();  // the summary's time per phase covers training only
   t.record.run_start = TrainClock::now();

@@ -70,6 +70,7 @@ class Chain : public torch::nn::Module {
 
   int size() const { return static_cast<int>(blocks_.size()); }
   const Block& block(int index) const { return blocks_.at(static_cast<size_t>(index)); }
+  std::vector<std::string> block_names() const;  // in order: what reports and plans name blocks by
   std::vector<at::Tensor> block_parameters(int first, int last) const;
   std::vector<at::Tensor> block_buffers(int first, int last) const;
 
