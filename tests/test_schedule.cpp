@@ -118,6 +118,31 @@ TEST(ScheduleTest, BlocksThatCannotBeRecomputedStayOutOfSegments) {
   EXPECT_GT(checked, 50);
 }
 
+// A non-reentrant checkpoint holds only each block's incoming gradient in a segment's backward:
+// never more than memfit's own checkpoint, the same plain schedule, and by exactly the output
+// and incoming gradient where those set the peak.
+TEST(ScheduleTest, NonReentrantSegmentsHoldOnlyTheIncomingGradient) {
+  std::mt19937 rng(77);
+  for (int trial = 0; trial < 100; ++trial) {
+    ChainCosts c = random_chain(rng, 2 + trial % 6);
+    ChainCosts n = c;
+    n.non_reentrant = true;
+    const int last = static_cast<int>(c.blocks.size()) - 1;
+    EXPECT_EQ(evaluate_schedule(n, {}).peak_bytes, evaluate_schedule(c, {}).peak_bytes);
+    EXPECT_LE(evaluate_schedule(n, {{0, last}}).peak_bytes, evaluate_schedule(c, {{0, last}}).peak_bytes);
+  }
+  ChainCosts c;
+  BlockCost b;
+  b.output_bytes = 10;
+  b.kept_bytes = 100;
+  b.backward_peak = 1000;
+  c.blocks = {b, b};
+  c.blocks[0].backward_peak = 2000;  // the peak: block 0's backward inside segment [0, 1]
+  const int64_t reentrant = evaluate_schedule(c, {{0, 1}}).peak_bytes;
+  c.non_reentrant = true;
+  EXPECT_EQ(reentrant - evaluate_schedule(c, {{0, 1}}).peak_bytes, 10 + 10);  // its output, and the segment's delta
+}
+
 TEST(ScheduleTest, PlainWhenEverythingFits) {
   std::mt19937 rng(7);
   ChainCosts c = random_chain(rng, 6);

@@ -72,13 +72,15 @@ struct Model {
     }
     // Until the segment's backward returns it holds its recomputed output and the gradient that
     // arrived for it (delta): both alive under every block's backward, besides the gradient
-    // of that block's own output (which is delta itself for the last block).
+    // of that block's own output (which is delta itself for the last block). Non-reentrant: only
+    // that gradient.
     int64_t below = kept;
     for (int k = u.last; k >= u.first; --k) {
       below -= b(k).kept_bytes;
       const int64_t g = c.gradients_present ? all_grads() : grads_after[k];
-      const int64_t held_by_segment = delta + (k < u.last ? delta : 0);
-      p = std::max(p, base + g + held_by_segment + b(k).output_bytes + below + internal(k) + b(k).backward_peak);
+      const int64_t held_by_segment =
+          c.non_reentrant ? b(k).output_bytes : delta + (k < u.last ? delta : 0) + b(k).output_bytes;
+      p = std::max(p, base + g + held_by_segment + below + internal(k) + b(k).backward_peak);
     }
     return p;
   }
