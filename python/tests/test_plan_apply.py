@@ -1,0 +1,62 @@
+"""memfit.plan + memfit.apply at 60% and 45% of the plain step's peak: the step stays under the
+budget, and the plan predicted its peak within 5%."""
+import pytest
+import torch
+
+import memfit
+from models import make
+
+
+def plain_step(model, opt, loss_fn, batch):
+    opt.zero_grad(set_to_none=True)
+    loss = loss_fn(model, batch)
+    loss.backward()
+    opt.step()
+    opt.zero_grad(set_to_none=True)
+    return loss.item()
+
+
+def peak_of(fn, steps=2):
+    """The allocator's peak over `steps` calls (the first makes the optimizer's state)."""
+    with memfit.budget(1 << 40) as b:
+        for _ in range(steps):
+            fn()
+    return b.peak_bytes
+
+
+def plain_peak(name):
+    model, batch, loss_fn = make(name)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    return peak_of(lambda: plain_step(model, opt, loss_fn, batch))
+
+
+@pytest.mark.parametrize("fraction", [0.6, 0.45])
+@pytest.mark.parametrize("name", ["gpt", "cnn", "mlp"])
+def test_planned_step_fits_and_is_predicted_within_5_percent(name, fraction):
+    budget = int(plain_peak(name) * fraction)
+    model, batch, loss_fn = make(name)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    plan = memfit.plan(model, opt, loss_fn, batch, budget, progress=False)
+    step = memfit.apply(model, opt, plan)
+    try:
+        with memfit.budget(budget) as b:
+            for _ in range(2):
+                step(batch)
+    finally:
+        memfit.remove(model)
+    measured = b.peak_bytes
+    assert measured <= budget, f"{plan}\nmeasured {measured} > budget {budget}"
+    error = abs(plan.predicted_peak_bytes - measured) / measured
+    assert error <= 0.05, f"{plan}\nmeasured {measured}, predicted {plan.predicted_peak_bytes} ({error:.1%})"
+
+
+def test_plan_reads_as_a_table_and_json():
+    model, batch, loss_fn = make("gpt")
+    opt = torch.optim.AdamW(model.parameters())
+    plan = memfit.plan(model, opt, loss_fn, batch, int(plain_peak("gpt") * 0.45), progress=False)
+    text = str(plan)
+    assert "micro-batch x accumulation" in text and "predicted peak" in text
+    data = plan.to_dict()
+    assert data["micro_batch"] * data["accumulation"] >= 16
+    assert all(name.startswith("h.") for name in plan.checkpointed)
+    assert plan.block_names == [f"h.{i}" for i in range(6)]
