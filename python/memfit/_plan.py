@@ -1,4 +1,5 @@
 """memfit.plan: the fastest configuration of the user's step that fits a budget."""
+import gc
 import json
 import weakref
 
@@ -206,6 +207,7 @@ def plan(model, optimizer, loss_fn, batch, budget, blocks=None, precisions=("fp3
     state = ModelState(model, optimizer, device)
     tracker = _C.Tracker()
     try:
+        gc.collect()  # tensors held only by unreachable cycles would count as resident, then be freed
         resident = resident_bytes(model, optimizer, batch, device)
         state.clear_gradients()
         install = _C.TrackerInstall(tracker)

@@ -1,6 +1,10 @@
 import os
 import sys
 
+# Before torch loads OpenMP: its threads sleep when idle instead of spinning, which on a
+# machine shared with other processes (CI's two cores) slows every op many times over.
+os.environ.setdefault("OMP_WAIT_POLICY", "passive")
+
 import memfit  # noqa: F401  (first: its allocator then counts every tensor the tests make)
 import pytest
 import torch
