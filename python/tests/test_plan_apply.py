@@ -60,3 +60,34 @@ def test_plan_reads_as_a_table_and_json():
     assert data["micro_batch"] * data["accumulation"] >= 16
     assert all(name.startswith("h.") for name in plan.checkpointed)
     assert plan.block_names == [f"h.{i}" for i in range(6)]
+
+
+@pytest.mark.parametrize("name,precision,state", [("mlp", "bf16", "8bit"), ("gpt", "fp32", "8bit"), ("cnn", "bf16", "fp32")])
+def test_each_precision_and_optimizer_state_is_predicted_within_5_percent(name, precision, state):
+    """The default plan depends on timings; these pin the configurations it may pick elsewhere."""
+    budget = int(plain_peak(name) * 0.45)
+    model, batch, loss_fn = make(name)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    plan = memfit.plan(model, opt, loss_fn, batch, budget, precisions=(precision,), optimizer_state=state,
+                       progress=False)
+    assert (plan.precision, plan.optimizer_state) == (precision, state)
+    step = memfit.apply(model, opt, plan)
+    try:
+        with memfit.budget(budget) as b:
+            for _ in range(2):
+                step(batch)
+    finally:
+        memfit.remove(model)
+    assert b.peak_bytes <= budget, str(plan)
+    assert abs(plan.predicted_peak_bytes - b.peak_bytes) <= 0.05 * b.peak_bytes, f"{plan}\nmeasured {b.peak_bytes}"
+
+
+def test_progress_reaches_its_total_and_a_pipe_gets_no_bar(capfd):
+    model, batch, loss_fn = make("mlp")
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    events = []
+    memfit.plan(model, opt, loss_fn, batch, "1GiB", progress=lambda done, total, what: events.append((done, total)))
+    assert events and events[-1][0] == events[-1][1]
+    assert all(a <= b for (a, _), (b, _) in zip(events, events[1:]))
+    memfit.plan(model, opt, loss_fn, batch, "1GiB")  # progress=None: stderr is not a terminal here
+    assert "memfit [" not in capfd.readouterr().err
