@@ -81,7 +81,9 @@ def extension():
     include_dirs = [os.path.join(ROOT, "include"), os.path.join(ROOT, "src")]
     if with_cuda:
         # The CUDA runtime headers c10/cuda includes: the toolkit's, else the wheel's nvidia package.
-        for d in (os.environ.get("CUDA_HOME", ""), "/usr/local/cuda"):
+        site = os.path.dirname(os.path.dirname(torch.__file__))
+        wheel = [os.path.join(site, "nvidia", n) for n in ("cu13", "cu12", "cuda_runtime")]
+        for d in [os.environ.get("CUDA_HOME", ""), "/usr/local/cuda"] + wheel:
             if d and os.path.exists(os.path.join(d, "include", "cuda_runtime_api.h")):
                 include_dirs.append(os.path.join(d, "include"))
                 break

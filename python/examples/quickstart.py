@@ -22,13 +22,16 @@ class TinyLM(nn.Module):
             x = layer(x, attention_mask=attention_mask)[0]
         return {"loss": F.cross_entropy(self.head(x).flatten(0, 1), labels.flatten())}
 
-torch.manual_seed(0)
-model = TinyLM()
-opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
-ids = torch.randint(0, 256, (32, 129))
-batch = {"input_ids": ids[:, :-1], "attention_mask": torch.ones(32, 128, dtype=torch.long), "labels": ids[:, 1:]}
-step = memfit.fit(model, opt, lambda m, b: m(**b)["loss"], batch, budget="150MB")  # the plain step: 370 MB
-print(step.plan)
-for i in range(20):  # your loop, your DataLoader; memfit.remove(model) takes memfit's wrappers off
-    loss = step(batch)
-print(f"loss {loss:.3f}; {step.verified}")
+def make_batch(n=32, seed=0):
+    ids = torch.randint(0, 256, (n, 129), generator=torch.Generator().manual_seed(seed))
+    return {"input_ids": ids[:, :-1], "attention_mask": torch.ones(n, 128, dtype=torch.long), "labels": ids[:, 1:]}
+
+if __name__ == "__main__":  # python/examples/tactics.py imports the model
+    torch.manual_seed(0)
+    model, batch = TinyLM(), make_batch()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    step = memfit.fit(model, opt, lambda m, b: m(**b)["loss"], batch, budget="150MB")  # the plain step: 370 MB
+    print(step.plan)
+    for i in range(20):  # your loop, your DataLoader; memfit.remove(model) takes memfit's wrappers off
+        loss = step(batch)
+    print(f"loss {loss:.3f}; {step.verified}")
