@@ -158,14 +158,16 @@ class Profiler:
         return pp
 
     def slowdown(self, precision, baseline="fp32"):
-        """How many times slower `precision` runs one sample's step than the baseline (best of
-        three, alternating, after a first use of each)."""
-        self.timer.run(baseline, 1)
-        self.timer.run(precision, 1)
+        """How many times slower `precision` runs a two-sample step than the baseline (best of
+        three, alternating, after a first use of each). Two: BatchNorm cannot train on one
+        sample where a layer's output is 1x1."""
+        m = min(2, self.samples)
+        self.timer.run(baseline, m)
+        self.timer.run(precision, m)
         base = slow = float("inf")
         for _ in range(3):
-            base = min(base, self.timer.run(baseline, 1))
-            slow = min(slow, self.timer.run(precision, 1))
+            base = min(base, self.timer.run(baseline, m))
+            slow = min(slow, self.timer.run(precision, m))
         self.timer.release_gradients()
         return slow / base if base > 0 else 1.0
 

@@ -91,3 +91,13 @@ def test_progress_reaches_its_total_and_a_pipe_gets_no_bar(capfd):
     assert all(a <= b for (a, _), (b, _) in zip(events, events[1:]))
     memfit.plan(model, opt, loss_fn, batch, "1GiB")  # progress=None: stderr is not a terminal here
     assert "memfit [" not in capfd.readouterr().err
+
+
+def test_a_model_with_batchnorm_on_a_single_value_per_channel_plans():
+    """BatchNorm cannot train on one sample of a (samples, features) input: profiling never runs one."""
+    model = torch.nn.Sequential(torch.nn.Linear(8, 32), torch.nn.BatchNorm1d(32), torch.nn.ReLU(), torch.nn.Linear(32, 1))
+    batch = (torch.randn(64, 8), torch.randn(64, 1))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    plan = memfit.plan(model, opt, lambda m, b: torch.nn.functional.mse_loss(m(b[0]), b[1]), batch, "1GiB",
+                       precisions=("fp32", "bf16"), progress=False)
+    assert plan.micro_batch * plan.accumulation == 64
