@@ -17,13 +17,13 @@ class Observer:
     """Receives progress and notes; the default does nothing."""
 
     def on_progress(self, done, total, what):
-        pass
+        """`done` of `total` parts of the work are done; `what` names the last one."""
 
     def on_note(self, text):
-        pass
+        """A note for the user (a precision dropped, an out-of-memory split, what fit measured)."""
 
     def close(self):
-        pass
+        """The work is over (a bar clears its line)."""
 
 
 class Bar(Observer):
