@@ -16,6 +16,15 @@ _C = load()
 
 _PRECISIONS = ("fp32", "bf16", "fp16")
 
+# The C++ planner's notes quote its options in backquotes; here they read as plan()'s arguments.
+_ARGUMENTS = (("`precision` fp32", "precisions=('fp32',)"), ("`optimizer.state` fp32", "optimizer_state='fp32'"))
+
+
+def _in_python_terms(note):
+    for cpp, python in _ARGUMENTS:
+        note = note.replace(cpp, python)
+    return note
+
 
 class BudgetError(ValueError):
     """No configuration reaches the budget; ``floor_bytes`` is the smallest budget that works."""
@@ -54,7 +63,7 @@ class Plan:
         self.predicted_step_seconds = result["predicted_step_seconds"]
         self.plain_predicted_peak_bytes = result["plain_predicted_peak_bytes"]
         self.plain_predicted_step_seconds = result["plain_predicted_step_seconds"]
-        self.notes = list(result["notes"])
+        self.notes = [_in_python_terms(n) for n in result["notes"]]
         # The chain's segments hold block indices from 1 (part 0 is the code before the blocks).
         self.segments = [(first - 1, last - 1) for first, last in result["segments"]]
         self.checkpointed = [blocks[i].name for first, last in self.segments for i in range(first, last + 1)]

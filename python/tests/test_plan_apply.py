@@ -101,3 +101,12 @@ def test_a_model_with_batchnorm_on_a_single_value_per_channel_plans():
     plan = memfit.plan(model, opt, lambda m, b: torch.nn.functional.mse_loss(m(b[0]), b[1]), batch, "1GiB",
                        precisions=("fp32", "bf16"), progress=False)
     assert plan.micro_batch * plan.accumulation == 64
+
+
+
+def test_notes_name_plans_arguments():
+    from memfit._plan import _in_python_terms
+    note = "precision bf16 chosen: measured faster (`precision` fp32 forbids it)"
+    assert _in_python_terms(note) == "precision bf16 chosen: measured faster (precisions=('fp32',) forbids it)"
+    note = "optimizer state 8bit chosen: ... (`optimizer.state` fp32 forbids it)"
+    assert _in_python_terms(note).endswith("(optimizer_state='fp32' forbids it)")
