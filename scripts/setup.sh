@@ -13,7 +13,8 @@ packages=(
   libgtest-dev libcli11-dev nlohmann-json3-dev libfmt-dev zlib1g-dev libssl-dev
   libgloo-dev             # headers c10d's ProcessGroupGloo includes
   bible-kjv bible-kjv-text dataset-fashion-mnist   # the built-in data
-  python3-torch           # the PyTorch peer for side-by-side benchmarks
+  python3-torch           # the PyTorch peer for side-by-side benchmarks, and the Python package's torch
+  python3-venv pybind11-dev   # the Python package's virtual environments and bindings (README, "From Python")
   chromium                # the browser test of the HTML report
 )
 missing=()

@@ -77,6 +77,72 @@ TEST(ScheduleTest, DpEqualsBruteForceOnRandomChains) {
   EXPECT_GT(infeasible, 0);  // the limits reach below the floor sometimes
 }
 
+// Blocks that cannot be recomputed (a Python model's code before its first block and after its
+// last) stay out of every segment, and the DP still finds the best schedule of the rest.
+TEST(ScheduleTest, BlocksThatCannotBeRecomputedStayOutOfSegments) {
+  std::mt19937 rng(4321);
+  int checked = 0;
+  for (int trial = 0; trial < 200; ++trial) {
+    const int n = 2 + trial % 7;
+    ChainCosts c = random_chain(rng, n);
+    c.blocks.front().recomputable = false;
+    c.blocks.back().recomputable = trial % 2 == 0;
+    if (trial % 3 == 0) c.blocks[n / 2].recomputable = false;
+    const int64_t plain = evaluate_schedule(c, {}).peak_bytes;
+    const int64_t limit = std::uniform_int_distribution<int64_t>(plain / 3, plain)(rng);
+    const auto allowed = [&c](const std::vector<std::pair<int, int>>& segments) {
+      for (const auto& [first, last] : segments) {
+        for (int k = first; k <= last; ++k) {
+          if (!c.blocks[k].recomputable) return false;
+        }
+      }
+      return true;
+    };
+    double best = 1e30;
+    std::vector<std::pair<int, int>> current;
+    all_schedules(n, 0, current, [&](const auto& segments) {
+      if (!allowed(segments)) return;
+      Schedule s = evaluate_schedule(c, segments);
+      if (s.peak_bytes <= limit) best = std::min(best, s.recompute_seconds);
+    });
+    Schedule dp = solve_schedule(c, limit, static_cast<int>(limit));
+    if (best == 1e30) {
+      EXPECT_FALSE(dp.feasible) << "trial " << trial;
+      continue;
+    }
+    ASSERT_TRUE(dp.feasible) << "trial " << trial;
+    EXPECT_TRUE(allowed(dp.segments)) << "trial " << trial;
+    EXPECT_NEAR(dp.recompute_seconds, best, 1e-9) << "trial " << trial;
+    ++checked;
+  }
+  EXPECT_GT(checked, 50);
+}
+
+// A non-reentrant checkpoint holds only each block's incoming gradient in a segment's backward:
+// never more than memfit's own checkpoint, the same plain schedule, and by exactly the output
+// and incoming gradient where those set the peak.
+TEST(ScheduleTest, NonReentrantSegmentsHoldOnlyTheIncomingGradient) {
+  std::mt19937 rng(77);
+  for (int trial = 0; trial < 100; ++trial) {
+    ChainCosts c = random_chain(rng, 2 + trial % 6);
+    ChainCosts n = c;
+    n.non_reentrant = true;
+    const int last = static_cast<int>(c.blocks.size()) - 1;
+    EXPECT_EQ(evaluate_schedule(n, {}).peak_bytes, evaluate_schedule(c, {}).peak_bytes);
+    EXPECT_LE(evaluate_schedule(n, {{0, last}}).peak_bytes, evaluate_schedule(c, {{0, last}}).peak_bytes);
+  }
+  ChainCosts c;
+  BlockCost b;
+  b.output_bytes = 10;
+  b.kept_bytes = 100;
+  b.backward_peak = 1000;
+  c.blocks = {b, b};
+  c.blocks[0].backward_peak = 2000;  // the peak: block 0's backward inside segment [0, 1]
+  const int64_t reentrant = evaluate_schedule(c, {{0, 1}}).peak_bytes;
+  c.non_reentrant = true;
+  EXPECT_EQ(reentrant - evaluate_schedule(c, {{0, 1}}).peak_bytes, 10 + 10);  // its output, and the segment's delta
+}
+
 TEST(ScheduleTest, PlainWhenEverythingFits) {
   std::mt19937 rng(7);
   ChainCosts c = random_chain(rng, 6);

@@ -190,6 +190,7 @@ ChainCosts Planner::costs_at(int64_t m, const PrecisionProfile& p, const Optimiz
   c.fixed_bytes = weight_bytes() + optimizer.state_bytes + profile_.batch_bytes + request_.resident_bytes;
   c.gradients_present = m < profile_.batch || !request_.step.set_to_none;
   c.segment_overhead_bytes = profile_.segment_overhead_bytes;
+  c.non_reentrant = profile_.non_reentrant_checkpoint;
   if (!request_.gathered_blocks.empty()) add_gathered_blocks(c, prefetch_depth);
   return c;
 }

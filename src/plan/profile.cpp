@@ -424,6 +424,7 @@ ChainCosts block_costs_at(const PrecisionProfile& p, int64_t m) {
     f.backward_seconds = fit_line(m1, s.backward_seconds, m2, l.backward_seconds, mt);
     f.output_bytes = fit_bytes(m1, s.output_bytes, m2, l.output_bytes, m);
     f.output_kept = l.output_kept;
+    f.recomputable = l.recomputable;
     f.param_bytes = s.param_bytes;
     f.cast_bytes = s.cast_bytes;
     // Bytes inside blocks are calibrated against the whole chain's measured peak.

@@ -72,13 +72,15 @@ struct Model {
     }
     // Until the segment's backward returns it holds its recomputed output and the gradient that
     // arrived for it (delta): both alive under every block's backward, besides the gradient
-    // of that block's own output (which is delta itself for the last block).
+    // of that block's own output (which is delta itself for the last block). Non-reentrant: only
+    // that gradient.
     int64_t below = kept;
     for (int k = u.last; k >= u.first; --k) {
       below -= b(k).kept_bytes;
       const int64_t g = c.gradients_present ? all_grads() : grads_after[k];
-      const int64_t held_by_segment = delta + (k < u.last ? delta : 0);
-      p = std::max(p, base + g + held_by_segment + b(k).output_bytes + below + internal(k) + b(k).backward_peak);
+      const int64_t held_by_segment =
+          c.non_reentrant ? b(k).output_bytes : delta + (k < u.last ? delta : 0) + b(k).output_bytes;
+      p = std::max(p, base + g + held_by_segment + below + internal(k) + b(k).backward_peak);
     }
     return p;
   }
@@ -174,6 +176,7 @@ Schedule solve_schedule(const ChainCosts& costs, int64_t limit, int slots) {
       for (int q = p; q < n; ++q) {
         for (bool ck : {false, true}) {
           if (!ck && q != p) continue;
+          if (ck && !m.b(q).recomputable) continue;
           const Unit u{p, q, ck};
           const int h_before = h + to_slots(m.pending(p - 1, ck));
           if (h_before > slots) continue;
@@ -186,6 +189,7 @@ Schedule solve_schedule(const ChainCosts& costs, int64_t limit, int slots) {
             parent[q + 1][h_after] = {p, q, h, ck};
           }
         }
+        if (!m.b(q).recomputable) break;  // no segment from p reaches past it
       }
     }
   }

@@ -1,6 +1,7 @@
 #include "memfit/techniques/grad_scaler.h"
 
 #include <ATen/ATen.h>
+#include <ATen/core/grad_mode.h>  // at::NoGradGuard (ATen.h lacks it on 2.x)
 #include <c10/util/Exception.h>
 
 #include <cmath>

@@ -30,6 +30,9 @@ struct BlockCost {
   int64_t cast_bytes = 0;        // autocast's low-precision copies of its weights (0 in fp32): a
                                  // step makes all of them before forward and caches them until
                                  // forward ends (plain blocks' copies then live on in the graph)
+  bool recomputable = true;      // false: never in a checkpointed segment (a part of the step its
+                                 // caller cannot run again alone, such as the code before the
+                                 // first block of a Python model); not in the profile's JSON
 };
 
 struct ChainCosts {
@@ -38,6 +41,12 @@ struct ChainCosts {
   bool gradients_present = false;   // all gradients exist from the start (accumulation, keep-grads)
   int64_t segment_overhead_bytes = 0;  // what each checkpointed segment keeps besides its input (RNG state)
   int64_t loss_bytes = 0;           // alive at the end of forward besides the blocks' (loss, logits' helpers)
+  // How a checkpointed segment's backward holds memory. false: memfit's checkpoint (checkpoint.h)
+  // keeps the segment's recomputed output and the gradient that arrived for it until the
+  // segment's backward returns. true: a non-reentrant checkpoint (torch.utils.checkpoint's, and
+  // the Python package's) hands the recomputed tensors to the graph built in forward, so each
+  // block's backward holds only the gradient arriving for its output, as a plain block's does.
+  bool non_reentrant = false;
 };
 
 struct Schedule {

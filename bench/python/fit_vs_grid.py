@@ -1,0 +1,165 @@
+"""memfit.fit against hand-written PyTorch at the same budget, on the GPT-2 written as Hugging
+Face's (bench/python/unnamed_models.py) at 45% of its plain step's peak, CPU:
+
+1. the grid a person would try by hand — accumulation (1, 2, 4, 8) x the first k blocks
+   checkpointed with torch.utils.checkpoint (k = 0..6) x precision (fp32, bf16 autocast) — each
+   configuration's peak under memfit.budget, the fitting ones timed; memfit's step time against
+   the fastest that fits;
+2. memfit's step against the same configuration hand-written (the overhead of memfit's wrappers),
+   alternating, medians;
+3. halving on out-of-memory from the full batch (find_executable_batch_size-style: the step under
+   the budget, the micro-batch halved on each out-of-memory error) against memfit.fit: seconds to
+   the first successful step, then samples per second.
+
+    OMP_WAIT_POLICY=passive .venv/bin/python bench/python/fit_vs_grid.py
+"""
+import contextlib
+import gc
+import os
+import statistics
+import sys
+import time
+
+import torch
+from torch.utils.checkpoint import checkpoint
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import memfit  # noqa: E402
+from unnamed_models import gpt2, plain, steps_peak  # noqa: E402
+
+ROUNDS = int(os.environ.get("ROUNDS", "7"))  # timed steps per configuration (medians)
+
+
+def fresh():
+    torch.manual_seed(0)
+    gc.collect()
+    model, batch, loss_fn = gpt2()
+    return model, torch.optim.AdamW(model.parameters(), lr=1e-3), batch, loss_fn
+
+
+@contextlib.contextmanager
+def checkpointed(blocks):
+    for block in blocks:
+        block.forward = lambda *a, run=block.forward, **k: checkpoint(run, *a, use_reentrant=False, **k)
+    try:
+        yield
+    finally:
+        for block in blocks:
+            del block.forward
+
+
+def hand_step(model, opt, loss_fn, accumulation, k, precision):
+    """One optimizer step written by hand: micro-batches, blocks checkpointed (the first k, or
+    those whose indices k lists), autocast."""
+    def step(batch):
+        n = batch["input_ids"].size(0)
+        micro = n // accumulation
+        opt.zero_grad(set_to_none=True)
+        with checkpointed([model.h[i] for i in (range(k) if isinstance(k, int) else k)]):
+            for i in range(0, n, micro):
+                part = {key: v[i:i + micro] for key, v in batch.items()}
+                with torch.autocast("cpu", dtype=torch.bfloat16, enabled=precision == "bf16"):
+                    loss = loss_fn(model, part) * (micro / n)
+                loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+    return step
+
+
+def seconds(step, batch):
+    t0 = time.perf_counter()
+    step(batch)
+    return time.perf_counter() - t0
+
+
+def median_seconds(step, batch, rounds=ROUNDS):
+    step(batch)
+    return statistics.median(seconds(step, batch) for _ in range(rounds))
+
+
+def grid(budget):
+    """(seconds, configuration) of every grid configuration that fits the budget."""
+    fits = []
+    for precision in ("fp32", "bf16"):
+        for accumulation in (1, 2, 4, 8):
+            for k in range(7):
+                model, opt, batch, loss_fn = fresh()
+                step = hand_step(model, opt, loss_fn, accumulation, k, precision)
+                step(batch)  # the optimizer's state exists
+                try:
+                    steps_peak(step, batch, budget)
+                except RuntimeError as e:
+                    if "out of memory" not in str(e):
+                        raise
+                    continue
+                fits.append((median_seconds(step, batch), (accumulation, k, precision)))
+    return fits
+
+
+def halving(budget):
+    """Seconds to the first step that fits, halving the micro-batch on each out-of-memory error."""
+    model, opt, batch, loss_fn = fresh()
+    t0 = time.perf_counter()
+    accumulation = 1
+    while True:
+        step = hand_step(model, opt, loss_fn, accumulation, 0, "fp32")
+        try:
+            with memfit.budget(budget):
+                step(batch)
+            break
+        except RuntimeError as e:
+            if "out of memory" not in str(e):
+                raise
+            accumulation *= 2
+    first = time.perf_counter() - t0
+    with memfit.budget(budget):
+        return first, median_seconds(step, batch), accumulation
+
+
+def main():
+    model, opt, batch, loss_fn = fresh()
+    budget = int(steps_peak(plain(model, opt, loss_fn, batch), batch, 1 << 40) * 0.45)
+    samples = batch["input_ids"].size(0)
+    print(f"torch {torch.__version__}; GPT-2 as Hugging Face's, batch {samples} x 128; budget {budget / 2**20:.1f} MiB "
+          f"(45% of the plain step's peak)")
+
+    model, opt, batch, loss_fn = fresh()
+    t0 = time.perf_counter()
+    step = memfit.fit(model, opt, loss_fn, batch, budget, progress=False)
+    fit_first = time.perf_counter() - t0
+    plan = step.plan
+    # The same configuration by hand on a twin (memfit's optimizer class: 8-bit state if chosen).
+    twin, twin_opt, _, _ = fresh()
+    if plan.optimizer_state == "8bit":
+        twin_opt = memfit.Adam8bit.from_optimizer(twin_opt)
+    indices = [plan.block_names.index(n) for n in plan.checkpointed]
+    hand = hand_step(twin, twin_opt, loss_fn, plan.accumulation, indices, plan.precision)
+    hand(batch)
+    ours, theirs = [], []
+    for _ in range(ROUNDS):  # alternating
+        ours.append(seconds(step, batch))
+        theirs.append(seconds(hand, batch))
+    ours_s, hand_s = statistics.median(ours), statistics.median(theirs)
+    memfit.remove(model)
+    del model, opt, step, twin, twin_opt, hand
+
+    fits = sorted(grid(budget))
+    best_s, best = fits[0]
+    half_first, half_s, half_acc = halving(budget)
+    print(f"\nmemfit's plan: {plan.micro_batch} x {plan.accumulation}, {plan.precision}, "
+          f"{len(plan.checkpointed)}/{len(plan.block_names)} blocks recomputed, {plan.optimizer_state} state\n")
+    print("| what | configuration | step s (median) | vs memfit |\n| --- | --- | ---: | ---: |")
+    print(f"| memfit.fit's step | {plan.accumulation} micro-batches, {len(plan.checkpointed)} blocks recomputed, "
+          f"{plan.precision}, {plan.optimizer_state} state | {ours_s:.3f} | 1.00 |")
+    acc, k, prec = best
+    print(f"| fastest hand-written grid configuration that fits ({len(fits)} of 56 fit) | {acc} micro-batches, first {k} "
+          f"blocks checkpointed, {prec} | {best_s:.3f} | {best_s / ours_s:.2f} |")
+    print(f"| memfit's configuration by hand (alternating rounds) | the same | {hand_s:.3f} | {hand_s / ours_s:.2f} |")
+    print(f"\n| from the full batch | seconds to the first step that fits | samples/s after |\n| --- | ---: | ---: |")
+    print(f"| memfit.fit (plan + verified step) | {fit_first:.1f} | {samples / ours_s:.1f} |")
+    print(f"| halving on out-of-memory (ended at {half_acc} micro-batches, fp32) | {half_first:.1f} | "
+          f"{samples / half_s:.1f} |")
+
+
+if __name__ == "__main__":
+    main()

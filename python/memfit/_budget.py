@@ -1,0 +1,70 @@
+"""memfit.budget: a hard memory budget for the code inside it."""
+import torch
+
+from memfit._loader import load
+from memfit._sizes import parse_budget
+
+_C = load()
+
+
+def _device_of(device):
+    if device is None:
+        return torch.device("cpu")
+    device = torch.device(device)
+    if device.type == "cuda" and device.index is None:
+        device = torch.device("cuda", torch.cuda.current_device())
+    return device
+
+
+class budget:
+    """A hard memory budget for the tensors allocated inside the ``with`` block.
+
+    On the CPU (the default device) memfit's allocator, which replaces LibTorch's CPU allocator
+    when memfit is imported, refuses any allocation that would take the live tensor bytes past
+    ``size``: it raises the error a GPU out-of-memory raises (``torch.cuda.OutOfMemoryError``,
+    a RuntimeError whose message contains "out of memory"), the failed step's tensors are freed as
+    the exception unwinds, and the process goes on. Tensors made before ``import memfit`` are not
+    counted. On a CUDA device the budget is the caching allocator's memory fraction for that
+    device (its reserved bytes are capped at ``size``), restored on exit.
+
+    ``size``: bytes as an int, or a text such as ``"2GiB"``, ``"800MB"``, ``"1.5e9"``.
+
+        with memfit.budget("2GiB"):
+            loss = model(x).sum(); loss.backward()
+
+    Budgets nest; each restores the one before it on exit. ``b.peak_bytes`` is the highest
+    number of bytes the budget counted inside the block (CPU).
+    """
+
+    def __init__(self, size, device=None):
+        self.bytes = parse_budget(size, "budget")
+        self.device = _device_of(device)
+        self.peak_bytes = 0
+        self._previous = None
+        self._fraction = None
+
+    def __enter__(self):
+        if self.device.type == "cuda":
+            self._fraction = _C.CudaMemoryFraction(self.bytes, self.device.index)
+            torch.cuda.reset_peak_memory_stats(self.device)
+            return self
+        _C.install_budget_allocator()
+        self._previous = _C.budget_bytes()
+        _C.set_budget_bytes(self.bytes)
+        _C.reset_allocator_peak()
+        return self
+
+    def __exit__(self, *exc):
+        if self._fraction is not None:
+            self.peak_bytes = torch.cuda.max_memory_reserved(self.device)
+            self._fraction.close()
+            self._fraction = None
+            return False
+        self.peak_bytes = _C.allocator_peak_bytes()
+        _C.set_budget_bytes(self._previous)
+        return False
+
+
+def allocated_bytes():
+    """Bytes of CPU tensor storage memfit's allocator holds now (every tensor made since import)."""
+    return _C.allocated_bytes()

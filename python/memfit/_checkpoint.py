@@ -1,0 +1,175 @@
+"""Checkpointed segments of blocks: forward keeps only the segment's input, backward recomputes
+the segment and hands autograd the tensors it saved.
+
+Non-reentrant, as torch.utils.checkpoint(use_reentrant=False): forward builds the graph as
+usual but every tensor autograd saves inside the segment's blocks is replaced by a handle
+(saved-tensor hooks); the first handle backward unpacks runs the segment again and returns the
+recomputed tensors. Gradients are then the plain step's, bit for bit: the same graph computes
+them from equal values. As memfit's C++ checkpoint (techniques/checkpoint.h) does, the
+recompute runs under the forward's random state (dropout draws the same masks) and autocast
+state, and buffers (BatchNorm's running statistics) are put back after it, so a batch counts
+once. Unlike torch's checkpoint, a segment may span blocks called one by one by the model's own
+code (a ModuleList's loop, with extra arguments such as an attention mask): each block's call is
+recorded and replayed, the next block's input being the previous one's recomputed output.
+"""
+import contextlib
+import weakref
+
+import torch
+
+from memfit import _calls
+from memfit._loader import load
+from memfit._phases import phase
+
+_C = load()
+
+
+def _autocast_state():
+    """(device type, enabled, dtype) for the CPU and, where there is one, CUDA."""
+    devices = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
+    state = []
+    for device in devices:
+        if hasattr(torch, "get_autocast_dtype"):  # 2.4+
+            state.append((device, torch.is_autocast_enabled(device), torch.get_autocast_dtype(device)))
+        elif device == "cpu":
+            state.append((device, torch.is_autocast_cpu_enabled(), torch.get_autocast_cpu_dtype()))
+        else:
+            state.append((device, torch.is_autocast_enabled(), torch.get_autocast_gpu_dtype()))
+    return state
+
+
+def _autocast_contexts(stack, state, cache_enabled=True, only_enabled=False):
+    for device, enabled, dtype in state:
+        if enabled or not only_enabled:
+            stack.enter_context(torch.autocast(device_type=device, dtype=dtype, enabled=enabled,
+                                               cache_enabled=cache_enabled))
+
+
+class _Handle:
+    """What a saved tensor is replaced by: owned by autograd's SavedVariable alone, so the
+    recomputed tensor kept for it goes as soon as autograd lets go of the handle."""
+
+    __slots__ = ("recording", "__weakref__")
+
+    def __init__(self, recording):
+        self.recording = recording
+
+
+class _Recording:
+    """One forward of a segment: what its recompute needs, and the tensors recomputed."""
+
+    def __init__(self, first_input, device):
+        self.input = first_input
+        self.device = device
+        self.rng = _C.capture_rng(device)
+        self.autocast = _autocast_state()
+        self.calls = []      # (run, args, kwargs, where, source, buffers)
+        self.handles = []    # weak references to the handles, in the order autograd saved the tensors
+        self.recomputed = None
+        self.next_index = None
+        self.previous_output = None
+
+    def pack(self, tensor):
+        handle = _Handle(self)
+        self.handles.append(weakref.ref(handle))
+        return handle
+
+    @staticmethod
+    def unpack(handle):
+        recording = handle.recording
+        if recording.recomputed is None:
+            recording.recompute()
+        if handle not in recording.recomputed:
+            raise RuntimeError("memfit: a tensor saved in a checkpointed segment was read twice in one backward")
+        return recording.recomputed[handle]
+
+    def recompute(self):
+        self.recomputed = weakref.WeakKeyDictionary()
+        count = 0
+
+        def keep(tensor):
+            nonlocal count
+            count += 1
+            handle = self.handles[count - 1]() if count <= len(self.handles) else None
+            if handle is not None:
+                # Detached: the recompute's own graph is not kept.
+                self.recomputed[handle] = tensor.detach()
+
+        buffers = [b for call in self.calls for b in call[5]]
+        with torch.no_grad():
+            saved_buffers = [b.detach().clone() for b in buffers]
+        previous_rng = _C.capture_rng(self.device)
+        _C.restore_rng(self.rng)
+        try:
+            with contextlib.ExitStack() as stack:
+                stack.enter_context(phase("recompute"))
+                stack.enter_context(torch.enable_grad())
+                _autocast_contexts(stack, self.autocast)
+                stack.enter_context(torch.autograd.graph.saved_tensors_hooks(keep, _never_unpacked))
+                self._replay()
+        finally:
+            _C.restore_rng(previous_rng)
+            with torch.no_grad():
+                for b, saved in zip(buffers, saved_buffers):
+                    b.copy_(saved)
+        if count != len(self.handles):
+            raise RuntimeError(f"memfit: a checkpointed segment saved {count} tensors when recomputed but "
+                               f"{len(self.handles)} in forward: its blocks must run the same operations each time "
+                               "(no data-dependent branches)")
+
+    def _replay(self):
+        x = None
+        for run, args, kwargs, where, source, _ in self.calls:
+            if source == "input":
+                x = self.input.detach().requires_grad_(self.input.requires_grad)
+            elif source != "chained":
+                x = source.detach().requires_grad_(source.requires_grad)
+            args, kwargs = _calls.with_input(args, kwargs, where, x)
+            x = _calls.main_output(run(args, kwargs))
+
+
+def _never_unpacked(packed):
+    raise RuntimeError("memfit: the recompute's own graph is never differentiated")
+
+
+class Checkpointing:
+    """The intercept handler (_calls.Intercept) that runs the planned segments checkpointed."""
+
+    def __init__(self, blocks, segments):
+        self.blocks = blocks
+        self.segment_of = {}
+        for first, last in segments:
+            for i in range(first, last + 1):
+                self.segment_of[i] = (first, last)
+        self.current = None
+
+    def __call__(self, index, args, kwargs, run):
+        segment = self.segment_of.get(index)
+        where = _calls.main_input(args, kwargs) if segment else None
+        if segment is None or where is None or not torch.is_grad_enabled():
+            return run(args, kwargs)
+        first, last = segment
+        x = _calls.get_input(args, kwargs, where)
+        if index == first:
+            self.current = _Recording(x, str(x.device))
+            source = "input"
+        elif self.current is None or self.current.next_index != index:
+            return run(args, kwargs)  # not called in the order recorded: run plainly
+        else:
+            source = "chained" if x is self.current.previous_output else x
+        recording = self.current
+        call_args, call_kwargs = _calls.with_input(args, kwargs, where, None)
+        buffers = list(self.blocks[index].buffers())
+        recording.calls.append((run, call_args, call_kwargs, where, source, buffers))
+        recording.previous_output = None
+        with contextlib.ExitStack() as stack:
+            # Weight casts are made per use here, not cached: the segment keeps nothing in forward.
+            _autocast_contexts(stack, _autocast_state(), cache_enabled=False, only_enabled=True)
+            stack.enter_context(torch.autograd.graph.saved_tensors_hooks(recording.pack, _Recording.unpack))
+            out = run(args, kwargs)
+        recording.next_index = index + 1
+        if index < last:
+            recording.previous_output = _calls.main_output(out)
+        else:
+            self.current = None
+        return out

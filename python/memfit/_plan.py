@@ -1,0 +1,241 @@
+"""memfit.plan: the fastest configuration of the user's step that fits a budget."""
+import gc
+import json
+import weakref
+
+import torch
+
+from memfit import _batch, _blocks, _storage
+from memfit._loader import load
+from memfit._profile import Profiler, has_8bit_state, measure_optimizer, optimizer_family
+from memfit._progress import observer as make_observer
+from memfit._sizes import format_bytes, parse_budget
+from memfit._state import ModelState
+
+_C = load()
+
+_PRECISIONS = ("fp32", "bf16", "fp16")
+
+# The C++ planner's notes quote its options in backquotes; here they read as plan()'s arguments.
+_ARGUMENTS = (("`precision` fp32", "precisions=('fp32',)"), ("`optimizer.state` fp32", "optimizer_state='fp32'"))
+
+
+def _in_python_terms(note):
+    for cpp, python in _ARGUMENTS:
+        note = note.replace(cpp, python)
+    return note
+
+
+class BudgetError(ValueError):
+    """No configuration reaches the budget; ``floor_bytes`` is the smallest budget that works."""
+
+    def __init__(self, budget_bytes, floor_bytes):
+        self.budget_bytes, self.floor_bytes = budget_bytes, floor_bytes
+        super().__init__(f"budget {format_bytes(budget_bytes)} ({budget_bytes} bytes) is below what any plan needs: "
+                         f"the smallest budget that works is {format_bytes(floor_bytes)} ({floor_bytes} bytes)")
+
+
+class Plan:
+    """How a step runs under a budget, chosen by memfit's C++ planner from measured costs.
+
+    ``micro_batch`` x ``accumulation`` (samples per forward + backward, and how many make the
+    step), ``precision`` (``fp32``, or ``bf16``/``fp16`` under autocast), ``checkpointed`` (the
+    names of the blocks recomputed in backward), ``optimizer_state`` (``fp32``, or ``8bit``:
+    memfit's 8-bit Adam/AdamW state), ``predicted_peak_bytes`` (what ``memfit.budget`` will count
+    at the step's peak) and ``predicted_step_seconds``; ``notes`` say why. ``str(plan)`` reads
+    as a table; ``to_json()`` gives every number.
+    """
+
+    def __init__(self, result, blocks, loss_fn, model, batch_size, device):
+        self._result = result
+        self._blocks = blocks
+        self._loss_fn = loss_fn
+        self._model = weakref.ref(model)
+        self.batch_size = batch_size
+        self.device = device
+        self.budget_bytes = result["budget_bytes"]
+        self.floor_bytes = result["floor_bytes"]
+        self.micro_batch = result["micro_batch"]
+        self.accumulation = result["accumulation"]
+        self.precision = result["precision"]
+        self.optimizer_state = result["optimizer_state"]
+        self.predicted_peak_bytes = result["predicted_peak_bytes"]
+        self.predicted_step_seconds = result["predicted_step_seconds"]
+        self.plain_predicted_peak_bytes = result["plain_predicted_peak_bytes"]
+        self.plain_predicted_step_seconds = result["plain_predicted_step_seconds"]
+        self.notes = [_in_python_terms(n) for n in result["notes"]]
+        # The chain's segments hold block indices from 1 (part 0 is the code before the blocks).
+        self.segments = [(first - 1, last - 1) for first, last in result["segments"]]
+        self.checkpointed = [blocks[i].name for first, last in self.segments for i in range(first, last + 1)]
+        self.block_names = [b.name for b in blocks]
+
+    def to_dict(self):
+        """Every number of the plan, and the C++ planner's own JSON under ``"planner"``."""
+        return {
+            "budget_bytes": self.budget_bytes, "floor_bytes": self.floor_bytes, "batch": self.batch_size,
+            "micro_batch": self.micro_batch, "accumulation": self.accumulation, "precision": self.precision,
+            "checkpointed": self.checkpointed, "segments": self.segments, "blocks": self.block_names,
+            "optimizer_state": self.optimizer_state, "predicted_peak_bytes": self.predicted_peak_bytes,
+            "predicted_step_seconds": self.predicted_step_seconds,
+            "plain_predicted_peak_bytes": self.plain_predicted_peak_bytes,
+            "plain_predicted_step_seconds": self.plain_predicted_step_seconds, "notes": self.notes,
+            "planner": json.loads(self._result["json"]),
+        }
+
+    def to_json(self):
+        """The plan as JSON text (``to_dict()``)."""
+        return json.dumps(self.to_dict())
+
+    def __str__(self):
+        recomputed = ", ".join(self.checkpointed) if self.checkpointed else "none"
+        ratio = self.predicted_step_seconds / self.plain_predicted_step_seconds if self.plain_predicted_step_seconds else 1
+        rows = [
+            ("micro-batch x accumulation", f"{self.micro_batch} x {self.accumulation}"),
+            ("precision", self.precision),
+            ("blocks recomputed", f"{len(self.checkpointed)} of {len(self.block_names)}: {recomputed}"),
+            ("optimizer state", self.optimizer_state),
+            ("predicted peak", f"{format_bytes(self.predicted_peak_bytes)} of {format_bytes(self.budget_bytes)}"),
+            ("predicted step", f"{self.predicted_step_seconds:.3f} s ({ratio:.2f}x the plain step)"),
+        ]
+        lines = [f"  {label:<28}{value}" for label, value in rows]
+        lines += [f"  note: {n}" for n in self.notes]
+        return "memfit plan\n" + "\n".join(lines)
+
+    def __repr__(self):
+        return (f"Plan(micro_batch={self.micro_batch}, accumulation={self.accumulation}, precision={self.precision!r}, "
+                f"checkpointed={len(self.checkpointed)} blocks, optimizer_state={self.optimizer_state!r}, "
+                f"predicted_peak_bytes={self.predicted_peak_bytes})")
+
+
+def _check_arguments(model, optimizer, loss_fn):
+    if not isinstance(model, torch.nn.Module):
+        raise ValueError(f"model {type(model).__name__}: expected a torch.nn.Module")
+    if not isinstance(optimizer, torch.optim.Optimizer):
+        raise ValueError(f"optimizer {type(optimizer).__name__}: expected a torch.optim.Optimizer")
+    if not callable(loss_fn):
+        raise ValueError(f"loss_fn {loss_fn!r}: expected a function (model, batch) -> loss tensor")
+
+
+def _precisions(precisions, device):
+    if isinstance(precisions, str):
+        precisions = (precisions,)
+    chosen, notes = [], []
+    for p in precisions:
+        if p not in _PRECISIONS:
+            raise ValueError(f"precisions {p!r}: expected a tuple of 'fp32', 'bf16', 'fp16'")
+        ok, why = _C.precision_supported(p, device.type)
+        if ok:
+            chosen.append(p)
+        else:
+            notes.append(f"{p} not considered: {why}")
+    if not chosen:
+        raise ValueError(f"precisions {tuple(precisions)!r}: none runs on {device.type} ({'; '.join(notes)})")
+    return chosen, notes
+
+
+def _device_of(model, batch):
+    param = next(model.parameters(), None)
+    return param.device if param is not None else _batch.device_of(batch)
+
+
+def resident_bytes(model, optimizer, batch, device):
+    """Bytes the budget counts beside what the plan models: the allocator's total now, less the
+    parameters, the batch, the optimizer state and gradients (which the step replaces). Negative
+    when the model was made before ``import memfit`` (its storage is then not counted)."""
+    if device.type == "cuda":
+        allocated = torch.cuda.memory_allocated(device)
+    else:
+        allocated = _C.allocated_bytes()
+    known = list(model.parameters()) + _batch.tensors(batch) + _storage.optimizer_state_tensors(optimizer)
+    known += [p.grad for p in model.parameters() if p.grad is not None]
+    return allocated - _storage.unique_bytes(known)
+
+
+def _request(optimizer, samples, device, costs, resident, optimizer_state, micro_batch, margin):
+    r = _C.RequestOptions()
+    r.batch = samples
+    r.micro_batch = micro_batch or 0
+    r.device = device.type
+    r.optimizer_family = optimizer_family(optimizer)
+    r.optimizer_state = optimizer_state if len(costs) > 1 or optimizer_state != "auto" else "fp32"
+    r.lr = float(optimizer.param_groups[0].get("lr", 1e-3))
+    r.optimizer_costs = costs
+    r.resident_bytes = resident
+    r.margin = margin
+    return r
+
+
+def _check_optimizer_state(optimizer, optimizer_state):
+    """Whether the 8-bit state is a candidate; ValueError for a state this optimizer cannot have."""
+    if optimizer_state not in ("auto", "fp32", "8bit"):
+        raise ValueError(f"optimizer_state {optimizer_state!r}: expected 'auto', 'fp32' or '8bit'")
+    if optimizer_state == "8bit" and not has_8bit_state(optimizer):
+        raise ValueError(f"optimizer_state '8bit': applies to torch.optim.Adam and AdamW (without amsgrad), "
+                         f"not {type(optimizer).__name__}")
+    return optimizer_state != "fp32" and has_8bit_state(optimizer)
+
+
+def _optimizer_costs(optimizer, tracker, optimizer_state, with_8bit):
+    costs = measure_optimizer(optimizer, tracker, with_8bit)
+    return costs[1:] if optimizer_state == "8bit" else costs
+
+
+def plan(model, optimizer, loss_fn, batch, budget, blocks=None, precisions=("fp32", "bf16"), optimizer_state="auto",
+         micro_batch=None, margin=0.03, progress=None):
+    """Plans the fastest configuration of one training step that fits ``budget``.
+
+    ``loss_fn(model, batch) -> loss`` says how a batch becomes a scalar loss (any forward
+    signature works); ``batch`` is a tensor, or a tuple, list or dict of tensors with samples
+    along dimension 0. ``blocks`` are what checkpointing may recompute: a module class, a
+    predicate over modules, a list of modules, or None (the repeated module class with the
+    most parameters inside a ModuleList or Sequential, e.g. a transformer's layers). memfit
+    runs the step a few times (each part of the chain measured in place with exact allocator
+    bytes, the plain step timed), measures the optimizer's state on copies, and the C++ planner
+    searches micro-batch x accumulation, precision (``precisions``), which blocks to recompute
+    and the optimizer state (``optimizer_state``: "auto" keeps fp32 unless memfit's 8-bit
+    Adam/AdamW state lets a faster plan fit, or any plan at all).
+
+    The model, its gradients, buffers and the random generators are left as they were (also on
+    Ctrl-C). Returns a :class:`Plan`; raises :class:`BudgetError` (naming the smallest budget
+    that works) when nothing fits, and ValueError naming the argument for bad input.
+    """
+    _check_arguments(model, optimizer, loss_fn)
+    budget_bytes = parse_budget(budget, "budget")
+    samples = _batch.sample_count(batch)
+    if micro_batch is not None and not (isinstance(micro_batch, int) and 1 <= micro_batch <= samples):
+        raise ValueError(f"micro_batch {micro_batch!r}: expected None (planned) or 1 to the batch's {samples} samples")
+    if not 0 <= margin < 0.5:
+        raise ValueError(f"margin {margin!r}: expected a fraction of the budget from 0 to 0.5")
+    found = _blocks.find_blocks(model, blocks)
+    device = _device_of(model, batch)
+    chosen, notes = _precisions(precisions, device)
+    with_8bit = _check_optimizer_state(optimizer, optimizer_state)
+    if with_8bit:
+        _C.make_dynamic_maps(str(device))  # constants for the process's life: resident from now on
+    obs = make_observer(progress)
+    state = ModelState(model, optimizer, device)
+    tracker = _C.Tracker()
+    try:
+        gc.collect()  # tensors held only by unreachable cycles would count as resident, then be freed
+        resident = resident_bytes(model, optimizer, batch, device)
+        state.clear_gradients()
+        install = _C.TrackerInstall(tracker)
+        try:
+            profiler = Profiler(model, loss_fn, batch, found, device, tracker, obs)
+            profile = profiler.profile(chosen)
+            profile.notes = notes + list(profile.notes)
+            costs = _optimizer_costs(optimizer, tracker, optimizer_state, with_8bit)
+        finally:
+            install.close()
+        request = _request(optimizer, samples, device, costs, resident, optimizer_state, micro_batch, margin)
+        planner = _C.Planner(profile, request)
+        result = _C.plan_timing_as_needed(planner, budget_bytes, profiler.timer)
+    finally:
+        state.restore()
+        obs.close()
+    if not result["feasible"]:
+        raise BudgetError(budget_bytes, result["floor_bytes"])
+    chosen_plan = Plan(result, found, loss_fn, model, samples, device)
+    chosen_plan._planner = planner
+    chosen_plan._profiler_args = (optimizer, resident)
+    return chosen_plan

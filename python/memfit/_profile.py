@@ -1,0 +1,276 @@
+"""The costs of the user's step, measured, in the C++ planner's terms (plan/profile.h): each
+part of the chain at a quarter and a half of the batch for each precision, the plain chain's
+seconds by micro-batch, and the optimizer's state and step."""
+import time
+
+import torch
+
+from memfit import _batch, _storage
+from memfit._loader import load
+from memfit._measure import ChainRunner, autocast, scalar_loss
+from memfit._progress import note
+
+_C = load()
+
+# A mixed precision running this many times slower than fp32 is not profiled (as in profile.h).
+SLOW_PRECISION_RATIO = 3.0
+_MIN_TIMED_RUNS, _MAX_TIMED_RUNS, _MIN_TIMED_SECONDS = 3, 9, 0.25
+
+
+def profiled_sizes(batch):
+    """A quarter and a half of the batch (at least 1 and 2), as the C++ profile takes them."""
+    a = max(1, batch // 4)
+    return a, min(batch, max(a + 1, batch // 2))
+
+
+class ChainTimer:
+    """Seconds of the plain step's forward + backward on the first m samples, as a step runs
+    them: adding into gradients already there unless m is the whole batch (profile.h)."""
+
+    def __init__(self, model, loss_fn, batch, device):
+        self.model, self.loss_fn, self.batch, self.device = model, loss_fn, batch, device
+        self.samples = _batch.sample_count(batch)
+        self.parameters = [p for p in model.parameters() if p.requires_grad]
+
+    def run(self, precision, m):
+        if m >= self.samples:
+            self.release_gradients()
+        else:
+            self.ensure_gradients()
+        part = _batch.narrow(self.batch, 0, m)
+        t0 = time.perf_counter()
+        with autocast(self.device, precision):
+            loss = scalar_loss(self.loss_fn(self.model, part))
+        loss.backward()
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        return time.perf_counter() - t0
+
+    def ensure_gradients(self):
+        for p in self.parameters:
+            if p.grad is None:
+                p.grad = torch.zeros_like(p)
+
+    def release_gradients(self):
+        for p in self.parameters:
+            p.grad = None
+
+    def medians(self, sizes, runs=None):
+        """The median of an odd number (3 to 9) of runs of each (precision, m), alternating."""
+        runs = runs or [[] for _ in sizes]
+        total = [sum(r) for r in runs]
+
+        def done(i):
+            n = len(runs[i])
+            return n >= _MAX_TIMED_RUNS or (n >= _MIN_TIMED_RUNS and n % 2 == 1 and total[i] >= _MIN_TIMED_SECONDS)
+
+        while not all(done(i) for i in range(len(sizes))):
+            for i, (precision, m) in enumerate(sizes):
+                if not done(i):
+                    runs[i].append(self.run(precision, m))
+                    total[i] += runs[i][-1]
+        self.release_gradients()
+        return [sorted(r)[len(r) // 2] for r in runs]
+
+    def first_uses(self, sizes):
+        """One run of each size (paying for first use); a run of a quarter second or more is kept."""
+        kept = []
+        for precision, m in sizes:
+            s = self.run(precision, m)
+            kept.append([s] if s >= _MIN_TIMED_SECONDS else [])
+        return kept
+
+    def __call__(self, precision, sizes, ref_precision, ref_m, ref_seconds):
+        """The planner's ChainTimer (job.h): sizes timed beside a reference point, on its scale."""
+        all_sizes = [(precision, m) for m in sizes] + [(ref_precision, ref_m)]
+        seconds = self.medians(all_sizes, self.first_uses(all_sizes))
+        scale = ref_seconds / seconds[-1] if seconds[-1] > 0 else 1.0
+        return [s * scale for s in seconds[:-1]]
+
+
+def _block_costs(parts, kept, output_kept, nograd, parameters):
+    """The parts' costs in the planner's model (plan/schedule.h): its peaks are above the bytes
+    the model counts at that moment (fixed bytes, what earlier parts keep, the gradients of later
+    parts, the incoming gradient), so the peaks measured here, absolute, are turned into those
+    terms: the model then reproduces the plain run it was measured on."""
+    count = parts.count
+    param = [sum(_storage.storage_bytes(p) for p in parameters if id(p) in parts.grad_ids[i]) for i in range(count)]
+    # An output counts as kept when this part made it and it is alive at the end of forward (a
+    # view of the batch, or of an earlier part's tensor, is not this part's to keep).
+    kept_output = [i == count - 1 or (output_kept[i] and kept[i] >= parts.out_bytes[i]) for i in range(count)]
+    internal = [max(0, kept[i] - (parts.out_bytes[i] if kept_output[i] else 0)) for i in range(count)]
+    costs, held = [], 0
+    for i in range(count):
+        c = _C.BlockCost()
+        c.forward_seconds = parts.fwd_seconds[i]
+        c.backward_seconds = parts.bwd_seconds[i]
+        c.output_bytes = parts.out_bytes[i]
+        c.output_kept = kept_output[i]
+        c.kept_bytes = kept[i]
+        base = parts.run_live0 + held
+        later_gradients = sum(param[i + 1:])
+        c.forward_peak = max(0, parts.fwd_peak[i] - base)
+        c.backward_peak = max(0, parts.bwd_peak[i] - base - later_gradients - c.output_bytes - internal[i])
+        c.forward_nograd_peak = max(0, nograd.fwd_peak[i] - nograd.run_live0)
+        c.param_bytes = param[i]
+        c.cast_bytes = 0  # measured inside the parts' own bytes (casts made as the step makes them)
+        c.recomputable = 0 < i < count - 1
+        costs.append(c)
+        held += internal[i] + (c.output_bytes if c.output_kept else 0)
+    return costs
+
+
+class Profiler:
+    """Measures the user's step (the tracker installed on this thread by the caller)."""
+
+    def __init__(self, model, loss_fn, batch, blocks, device, tracker, observer):
+        self.model, self.batch, self.device = model, batch, device
+        self.tracker, self.observer = tracker, observer
+        self.samples = _batch.sample_count(batch)
+        self.runner = ChainRunner(model, loss_fn, blocks, device)
+        self.timer = ChainTimer(model, loss_fn, batch, device)
+        self.count = len(blocks) + 2
+        self.done, self.total = 0, 1
+
+    def _progress(self, what):
+        self.done += 1
+        self.observer.on_progress(min(self.done, self.total), self.total, what)
+
+    def chain_profile(self, precision, m):
+        part = _batch.narrow(self.batch, 0, m)
+        parts, kept, output_kept = self.runner.measure(self.tracker, part, precision)
+        nograd = self.runner.measure_nograd(self.tracker, part, precision)
+        cp = _C.ChainProfile()
+        cp.micro_batch = m
+        cp.blocks = _block_costs(parts, kept, output_kept, nograd, self.runner.parameters)
+        cp.forward_nograd_seconds = sum(nograd.fwd_seconds[1:-1])
+        return cp
+
+    def precision_profile(self, precision):
+        a, b = profiled_sizes(self.samples)
+        pp = _C.PrecisionProfile(precision)
+        self.chain_profile(precision, b)  # first use of the size (and warm-up)
+        pp.large = self.chain_profile(precision, b)
+        self._progress(f"{precision}, {b} samples")
+        pp.small = self.chain_profile(precision, a) if a < b else pp.large
+        self._progress(f"{precision}, {a} samples")
+        pp.calibration = 1.0  # the parts' peaks are put in the model's terms as measured
+        return pp
+
+    def slowdown(self, precision, baseline="fp32"):
+        """How many times slower `precision` runs a two-sample step than the baseline (best of
+        three, alternating, after a first use of each). Two: BatchNorm cannot train on one
+        sample where a layer's output is 1x1."""
+        m = min(2, self.samples)
+        self.timer.run(baseline, m)
+        self.timer.run(precision, m)
+        base = slow = float("inf")
+        for _ in range(3):
+            base = min(base, self.timer.run(baseline, m))
+            slow = min(slow, self.timer.run(precision, m))
+        self.timer.release_gradients()
+        return slow / base if base > 0 else 1.0
+
+    def profile(self, precisions):
+        """The WorkloadProfile: precisions dropped (too slow, or failing on this model) noted."""
+        self.total = 2 * len(precisions) + 1
+        profile = _C.WorkloadProfile()
+        profile.batch = self.samples
+        profile.weight_bytes = _storage.unique_bytes(self.model.parameters())
+        profile.batch_bytes = _batch.storage_bytes(self.batch)
+        profile.segment_overhead_bytes = _C.capture_rng(str(self.device)).cpu_bytes
+        profile.non_reentrant_checkpoint = True  # as _checkpoint.py recomputes
+        profiles, notes = [], []
+        for precision in precisions:
+            if precision != precisions[0]:
+                dropped = self._dropped(precision, precisions[0])
+                if dropped:
+                    notes.append(dropped)
+                    self.done += 2
+                    continue
+            profiles.append(self.precision_profile(precision))
+        fastest = min(profiles, key=lambda pp: sum(c.forward_seconds + c.backward_seconds for c in pp.large.blocks))
+        a, b = fastest.small.micro_batch, fastest.large.micro_batch
+        sizes = [(fastest.precision, a)] + ([(fastest.precision, b)] if b != a else [])
+        seconds = self.timer.medians(sizes)
+        fastest.chain_seconds = [(m, s) for (_, m), s in zip(sizes, seconds)]
+        self._progress("timed")
+        profile.precisions = profiles
+        profile.notes = notes
+        for text in notes:
+            note(self.observer, text)
+        return profile
+
+    def _dropped(self, precision, baseline):
+        """Why a mixed precision is not profiled, or None when it is."""
+        try:
+            ratio = self.slowdown(precision, baseline)
+        except (RuntimeError, TypeError) as e:
+            self.timer.release_gradients()
+            if "out of memory" in str(e):
+                raise
+            return f"{precision} not considered: it fails on this model ({str(e).splitlines()[0][:160]})"
+        if ratio > SLOW_PRECISION_RATIO:
+            return (f"{precision} not considered: one sample's step ran {ratio:.1f}x slower than {baseline} here "
+                    f"(over {SLOW_PRECISION_RATIO:.0f}x: too slow to be the fastest); "
+                    f"precisions=('{precision}',) plans with it alone")
+        return None
+
+
+# --- the optimizer -------------------------------------------------------------------------
+
+_FAMILIES = {"AdamW": "adamw", "Adam": "adam", "SGD": "sgd", "RMSprop": "rmsprop", "Adagrad": "adagrad"}
+
+
+def optimizer_family(optimizer):
+    """The C++ family name of a torch.optim optimizer (others plan as AdamW-like fp32 state)."""
+    return _FAMILIES.get(type(optimizer).__name__, "adamw")
+
+
+def has_8bit_state(optimizer):
+    """Whether memfit's 8-bit state can stand in for this optimizer's (plain Adam or AdamW)."""
+    if type(optimizer) not in (torch.optim.Adam, torch.optim.AdamW):
+        return False
+    return all(not g.get("amsgrad", False) and not g.get("maximize", False) for g in optimizer.param_groups)
+
+
+def _copy_optimizer(optimizer, groups):
+    cls = type(optimizer)
+    try:
+        return cls(groups, **optimizer.defaults)
+    except TypeError:
+        return cls(groups)
+
+
+def measure_optimizer(optimizer, tracker, with_8bit):
+    """The optimizer's costs on copies of its parameters (zero gradients): state bytes (alive
+    between steps), the step's temporaries above them, and a steady step's seconds; with_8bit:
+    memfit's 8-bit state's too (its maps, made beforehand by the caller, are not counted in it)."""
+    groups, clones = [], []
+    with torch.no_grad():
+        for g in optimizer.param_groups:
+            params = [p.detach().clone().requires_grad_(p.requires_grad) for p in g["params"]]
+            for p in params:
+                p.grad = torch.zeros_like(p)
+            clones += params
+            groups.append({**{k: v for k, v in g.items() if k != "params"}, "params": params})
+    before = tracker.current()
+    copy = _copy_optimizer(optimizer, groups)
+    copy.step()
+    state_bytes = tracker.current() - before
+    steady = tracker.current()
+    tracker.reset_peak()
+    seconds = float("inf")
+    for _ in range(2):
+        t0 = time.perf_counter()
+        copy.step()
+        seconds = min(seconds, time.perf_counter() - t0)
+    step_bytes = max(0, tracker.peak() - steady)
+    costs = [_C.OptimizerCost(state_bytes, step_bytes, seconds, "fp32")]
+    if with_8bit:
+        g = optimizer.param_groups[0]
+        del copy
+        cost = _C.measure_8bit_cost(tracker, clones, g["lr"], g["betas"][0], g["betas"][1], g["weight_decay"],
+                                    type(optimizer) is torch.optim.AdamW)
+        costs.append(_C.OptimizerCost(cost.state_bytes - _C.dynamic_maps_bytes(), cost.step_bytes, cost.seconds, "8bit"))
+    return costs

@@ -1,0 +1,208 @@
+// Bindings of plan/: the measured costs the Python package builds from the user's own module
+// (profile.h's structs), the Planner (the pure search) and plan_timing_as_needed, whose chain
+// timer is a Python function timing the user's model.
+#include <torch/extension.h>
+#include <pybind11/functional.h>
+#include <pybind11/stl.h>
+
+#include <string>
+#include <vector>
+
+#include "bindings.h"
+#include "memfit/plan/job.h"
+#include "memfit/plan/planner.h"
+#include "memfit/plan/profile.h"
+#include "memfit/plan/schedule.h"
+#include "tracker.h"
+
+namespace py = pybind11;
+
+namespace memfit::python {
+namespace {
+
+// What a plan needs besides the profile: the step's fixed parts and the optimizer's costs.
+struct RequestOptions {
+  int64_t batch = 1;
+  int64_t micro_batch = 0;          // 0: searched
+  std::string device = "cpu";
+  std::string optimizer_family = "adamw";
+  std::string optimizer_state = "fp32";   // fp32, 8bit or auto
+  double lr = 1e-3;
+  std::vector<OptimizerCost> optimizer_costs;  // the first is the spec's (fp32 under auto)
+  int64_t resident_bytes = 0;
+  double margin = kPlanMargin;
+};
+
+PlanRequest make_request(const RequestOptions& o) {
+  PlanRequest r;
+  r.step.device = c10::Device(o.device);
+  r.step.batch = o.batch;
+  r.step.micro_batch = o.micro_batch;
+  r.step.set_to_none = true;
+  r.step.optimizer.family = parse_optimizer_family(o.optimizer_family);
+  r.step.optimizer.lr = o.lr;
+  r.step.optimizer.state = parse_state_precision(o.optimizer_state);
+  TORCH_CHECK(!o.optimizer_costs.empty(), "memfit: the optimizer's cost was not measured");
+  r.optimizer = o.optimizer_costs.front();
+  r.optimizer_alternatives.assign(o.optimizer_costs.begin() + 1, o.optimizer_costs.end());
+  r.resident_bytes = o.resident_bytes;
+  r.margin = o.margin;
+  return r;
+}
+
+py::dict plan_dict(const Plan& p) {
+  py::dict d;
+  d["feasible"] = p.feasible;
+  d["budget_bytes"] = p.budget_bytes;
+  d["floor_bytes"] = p.floor_bytes;
+  d["margin"] = p.margin;
+  d["micro_batch"] = p.config.micro_batch_size();
+  d["accumulation"] = p.config.accumulation();
+  d["precision"] = std::string(precision_name(p.config.precision));
+  d["segments"] = p.config.checkpoint.segments;
+  d["optimizer_state"] = std::string(state_precision_name(p.config.optimizer.state));
+  d["predicted_peak_bytes"] = p.predicted_peak;
+  d["predicted_step_seconds"] = p.predicted_seconds;
+  d["plain_predicted_peak_bytes"] = p.plain_predicted_peak;
+  d["plain_predicted_step_seconds"] = p.plain_predicted_seconds;
+  d["notes"] = p.notes;
+  d["json"] = plan_json(p).dump();
+  return d;
+}
+
+// The planner's chain timer, as a Python function (precision, sizes, reference precision,
+// reference micro-batch, reference seconds) -> seconds per size.
+using PyChainTimer = std::function<std::vector<double>(const std::string&, const std::vector<int64_t>&,
+                                                       const std::string&, int64_t, double)>;
+
+ChainTimer chain_timer(const PyChainTimer& timer) {
+  return [timer](Precision precision, const std::vector<int64_t>& sizes, const TimingReference& reference) {
+    return timer(precision_name(precision), sizes, precision_name(reference.precision), reference.point.micro_batch,
+                 reference.point.seconds);
+  };
+}
+
+void bind_costs(py::module_& m) {
+  py::class_<BlockCost>(m, "BlockCost")
+      .def(py::init<>())
+      .def_readwrite("forward_seconds", &BlockCost::forward_seconds)
+      .def_readwrite("backward_seconds", &BlockCost::backward_seconds)
+      .def_readwrite("output_bytes", &BlockCost::output_bytes)
+      .def_readwrite("output_kept", &BlockCost::output_kept)
+      .def_readwrite("kept_bytes", &BlockCost::kept_bytes)
+      .def_readwrite("forward_peak", &BlockCost::forward_peak)
+      .def_readwrite("forward_nograd_peak", &BlockCost::forward_nograd_peak)
+      .def_readwrite("backward_peak", &BlockCost::backward_peak)
+      .def_readwrite("param_bytes", &BlockCost::param_bytes)
+      .def_readwrite("cast_bytes", &BlockCost::cast_bytes)
+      .def_readwrite("recomputable", &BlockCost::recomputable);
+  py::class_<ChainProfile>(m, "ChainProfile")
+      .def(py::init<>())
+      .def_readwrite("micro_batch", &ChainProfile::micro_batch)
+      .def_readwrite("blocks", &ChainProfile::blocks)
+      .def_readwrite("forward_nograd_seconds", &ChainProfile::forward_nograd_seconds);
+  py::class_<PrecisionProfile>(m, "PrecisionProfile")
+      .def(py::init([](const std::string& precision) {
+        PrecisionProfile p;
+        p.precision = parse_precision(precision);
+        return p;
+      }))
+      .def_property_readonly("precision", [](const PrecisionProfile& p) { return std::string(precision_name(p.precision)); })
+      .def_readwrite("small", &PrecisionProfile::small)
+      .def_readwrite("large", &PrecisionProfile::large)
+      .def_readwrite("calibration", &PrecisionProfile::calibration)
+      .def_property(
+          "chain_seconds",
+          [](const PrecisionProfile& p) {
+            std::vector<std::pair<int64_t, double>> out;
+            for (const auto& c : p.chain_seconds) out.emplace_back(c.micro_batch, c.seconds);
+            return out;
+          },
+          [](PrecisionProfile& p, const std::vector<std::pair<int64_t, double>>& points) {
+            p.chain_seconds.clear();
+            for (const auto& [mb, s] : points) p.chain_seconds.push_back({mb, s});
+          });
+  py::class_<WorkloadProfile>(m, "WorkloadProfile")
+      .def(py::init<>())
+      .def_readwrite("batch", &WorkloadProfile::batch)
+      .def_readwrite("weight_bytes", &WorkloadProfile::weight_bytes)
+      .def_readwrite("batch_bytes", &WorkloadProfile::batch_bytes)
+      .def_readwrite("segment_overhead_bytes", &WorkloadProfile::segment_overhead_bytes)
+      .def_readwrite("precisions", &WorkloadProfile::precisions)
+      .def_readwrite("notes", &WorkloadProfile::notes)
+      .def_readwrite("non_reentrant_checkpoint", &WorkloadProfile::non_reentrant_checkpoint)
+      .def("to_json", [](const WorkloadProfile& p) { return profile_json(p).dump(); });
+  py::class_<OptimizerCost>(m, "OptimizerCost")
+      .def(py::init([](int64_t state_bytes, int64_t step_bytes, double seconds, const std::string& state) {
+             OptimizerCost c;
+             c.state_bytes = state_bytes;
+             c.step_bytes = step_bytes;
+             c.seconds = seconds;
+             c.state = parse_state_precision(state);
+             return c;
+           }),
+           py::arg("state_bytes"), py::arg("step_bytes"), py::arg("seconds"), py::arg("state") = "fp32")
+      .def_readonly("state_bytes", &OptimizerCost::state_bytes)
+      .def_readonly("step_bytes", &OptimizerCost::step_bytes)
+      .def_readonly("seconds", &OptimizerCost::seconds)
+      .def_property_readonly("state", [](const OptimizerCost& c) { return std::string(state_precision_name(c.state)); });
+}
+
+void bind_planner(py::module_& m) {
+  py::class_<RequestOptions>(m, "RequestOptions")
+      .def(py::init<>())
+      .def_readwrite("batch", &RequestOptions::batch)
+      .def_readwrite("micro_batch", &RequestOptions::micro_batch)
+      .def_readwrite("device", &RequestOptions::device)
+      .def_readwrite("optimizer_family", &RequestOptions::optimizer_family)
+      .def_readwrite("optimizer_state", &RequestOptions::optimizer_state)
+      .def_readwrite("lr", &RequestOptions::lr)
+      .def_readwrite("optimizer_costs", &RequestOptions::optimizer_costs)
+      .def_readwrite("resident_bytes", &RequestOptions::resident_bytes)
+      .def_readwrite("margin", &RequestOptions::margin);
+  py::class_<Planner>(m, "Planner")
+      .def(py::init([](const WorkloadProfile& profile, const RequestOptions& o) { return Planner(profile, make_request(o)); }))
+      .def("plan", [](const Planner& p, int64_t budget) { return plan_dict(p.plan(budget)); },
+           py::call_guard<py::gil_scoped_release>())
+      .def("evaluate",
+           [](const Planner& p, int64_t micro_batch, const std::string& precision, const std::vector<std::pair<int, int>>& segments,
+              int64_t budget, const std::string& state) {
+             CheckpointPlan checkpoint;
+             checkpoint.segments = segments;
+             return plan_dict(p.evaluate(micro_batch, parse_precision(precision), checkpoint, budget, parse_state_precision(state)));
+           })
+      .def("floor_bytes", &Planner::floor_bytes, py::call_guard<py::gil_scoped_release>())
+      .def("profile_json", [](const Planner& p) { return profile_json(p.profile()).dump(); });
+  m.def(
+      "plan_timing_as_needed",
+      [](Planner& planner, int64_t budget, const PyChainTimer& timer) {
+        const ChainTimer time_chain = chain_timer(timer);
+        int timed = 0;
+        Plan plan;
+        {
+          py::gil_scoped_release release;  // the timer takes the GIL back while it runs the model
+          plan = plan_timing_as_needed(planner, budget, time_chain, &timed);
+        }
+        py::dict d = plan_dict(plan);
+        d["sizes_timed"] = timed;
+        return d;
+      },
+      py::arg("planner"), py::arg("budget"), py::arg("timer"));
+  m.def("modelled_plain_peak", [](const PrecisionProfile& p, int64_t micro_batch) {
+    return evaluate_schedule(block_costs_at(p, micro_batch), {}).peak_bytes;
+  });
+  m.def("precision_supported", [](const std::string& precision, const std::string& device) {
+    std::string why;
+    const bool ok = precision_supported(parse_precision(precision), c10::Device(device).type(), &why);
+    return py::make_tuple(ok, why);
+  });
+}
+
+}  // namespace
+
+void bind_plan(py::module_& m) {
+  bind_costs(m);
+  bind_planner(m);
+}
+
+}  // namespace memfit::python

@@ -1,0 +1,57 @@
+// tracker.h — the memory tracker as the Python package holds it: the MemoryTracker and the role
+// snapshots taken while it records (track_analysis.h).
+#pragma once
+
+#include <ATen/ATen.h>
+
+#include <memory>
+#include <unordered_map>
+#include <vector>
+
+#include "memfit/measure/memory_tracker.h"
+#include "track_analysis.h"
+
+namespace memfit::python {
+
+inline std::vector<const void*> storage_ptrs(const std::vector<at::Tensor>& tensors) {
+  std::vector<const void*> out;
+  for (const auto& t : tensors) {
+    if (t.defined() && t.has_storage() && t.storage().data() != nullptr) out.push_back(t.storage().data());
+  }
+  return out;
+}
+
+// A tracker with the role snapshots taken while it recorded.
+struct Tracker {
+  std::shared_ptr<MemoryTracker> tracker = std::make_shared<MemoryTracker>();
+  std::vector<RoleSnapshot> snapshots;
+
+  void snapshot(const std::vector<at::Tensor>& weights, const std::vector<at::Tensor>& buffers,
+                const std::vector<at::Tensor>& gradients, const std::vector<at::Tensor>& optimizer_state) {
+    RoleSnapshot s;
+    s.event_index = tracker->events().size();
+    s.weights = storage_ptrs(weights);
+    s.buffers = storage_ptrs(buffers);
+    s.gradients = storage_ptrs(gradients);
+    s.optimizer_state = storage_ptrs(optimizer_state);
+    snapshots.push_back(std::move(s));
+  }
+  // Bytes alive now by the block tag they were allocated under (tags 0 .. blocks-1).
+  std::vector<int64_t> live_bytes_by_tag(int blocks) const {
+    std::unordered_map<const void*, std::pair<int16_t, int64_t>> live;
+    for (const auto& e : tracker->events()) {
+      if (e.delta > 0) {
+        live[e.ptr] = {e.block, e.delta};
+      } else {
+        live.erase(e.ptr);
+      }
+    }
+    std::vector<int64_t> out(static_cast<size_t>(blocks), 0);
+    for (const auto& [ptr, tag_bytes] : live) {
+      if (tag_bytes.first >= 0 && tag_bytes.first < blocks) out[static_cast<size_t>(tag_bytes.first)] += tag_bytes.second;
+    }
+    return out;
+  }
+};
+
+}  // namespace memfit::python

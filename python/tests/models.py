@@ -1,0 +1,143 @@
+"""The models the tests train: a GPT whose blocks sit in a ModuleList and take an attention
+mask (Hugging Face's layout), a CNN with BatchNorm in residual blocks, and an MLP as an
+nn.Sequential of Linear and ReLU layers. Small, but heavy in activations as real steps are."""
+import math
+
+import torch
+from torch import nn
+import torch.nn.functional as F
+
+
+class Attention(nn.Module):
+    def __init__(self, d, heads, dropout):
+        super().__init__()
+        self.heads = heads
+        self.qkv = nn.Linear(d, 3 * d)
+        self.proj = nn.Linear(d, d)
+        self.dropout = nn.Dropout(dropout)
+
+    def forward(self, x, attention_mask):
+        b, t, d = x.shape
+        q, k, v = self.qkv(x).split(d, dim=2)
+        q, k, v = (z.view(b, t, self.heads, d // self.heads).transpose(1, 2) for z in (q, k, v))
+        scores = q @ k.transpose(-2, -1) / math.sqrt(d // self.heads)
+        scores = scores + attention_mask
+        weights = self.dropout(scores.softmax(dim=-1))
+        return self.proj((weights @ v).transpose(1, 2).reshape(b, t, d))
+
+
+class GPTBlock(nn.Module):
+    def __init__(self, d, heads, dropout):
+        super().__init__()
+        self.ln_1 = nn.LayerNorm(d)
+        self.attn = Attention(d, heads, dropout)
+        self.ln_2 = nn.LayerNorm(d)
+        self.mlp = nn.Sequential(nn.Linear(d, 4 * d), nn.GELU(), nn.Linear(4 * d, d), nn.Dropout(dropout))
+
+    def forward(self, hidden_states, attention_mask=None):
+        hidden_states = hidden_states + self.attn(self.ln_1(hidden_states), attention_mask)
+        return (hidden_states + self.mlp(self.ln_2(hidden_states)),)  # a tuple, as Hugging Face's blocks
+
+
+class GPT(nn.Module):
+    """Embeddings, blocks in a ModuleList called with an attention mask, a final norm and a head."""
+
+    def __init__(self, vocab=256, d=64, heads=4, layers=6, seq=64, dropout=0.1):
+        super().__init__()
+        self.wte = nn.Embedding(vocab, d)
+        self.wpe = nn.Embedding(seq, d)
+        self.h = nn.ModuleList(GPTBlock(d, heads, dropout) for _ in range(layers))
+        self.ln_f = nn.LayerNorm(d)
+        self.lm_head = nn.Linear(d, vocab, bias=False)
+
+    def forward(self, input_ids, attention_mask, labels=None):
+        b, t = input_ids.shape
+        x = self.wte(input_ids) + self.wpe(torch.arange(t, device=input_ids.device))
+        causal = torch.ones(t, t, dtype=torch.bool, device=x.device).tril()
+        allowed = causal[None, None] & attention_mask[:, None, None, :].bool()
+        mask = torch.zeros(allowed.shape, dtype=x.dtype, device=x.device).masked_fill(~allowed, -1e4)
+        for block in self.h:
+            x = block(x, attention_mask=mask)[0]
+        logits = self.lm_head(self.ln_f(x))
+        loss = None
+        if labels is not None:
+            loss = F.cross_entropy(logits.reshape(-1, logits.size(-1)), labels.reshape(-1))
+        return {"loss": loss, "logits": logits}
+
+
+def gpt_batch(batch=16, seq=64, vocab=256, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(0, vocab, (batch, seq + 1), generator=g)
+    mask = torch.ones(batch, seq, dtype=torch.long)
+    mask[::3, -5:] = 0
+    return {"input_ids": ids[:, :-1].contiguous(), "attention_mask": mask, "labels": ids[:, 1:].contiguous()}
+
+
+def gpt_loss(model, batch):
+    return model(**batch)["loss"]
+
+
+class ResidualBlock(nn.Module):
+    def __init__(self, channels):
+        super().__init__()
+        self.conv1 = nn.Conv2d(channels, channels, 3, padding=1, bias=False)
+        self.bn1 = nn.BatchNorm2d(channels)
+        self.conv2 = nn.Conv2d(channels, channels, 3, padding=1, bias=False)
+        self.bn2 = nn.BatchNorm2d(channels)
+
+    def forward(self, x):
+        y = F.relu(self.bn1(self.conv1(x)))
+        return F.relu(x + self.bn2(self.conv2(y)))
+
+
+class CNN(nn.Module):
+    def __init__(self, channels=16, blocks=4, classes=10):
+        super().__init__()
+        self.stem = nn.Sequential(nn.Conv2d(3, channels, 3, padding=1, bias=False), nn.BatchNorm2d(channels), nn.ReLU())
+        self.layers = nn.Sequential(*[ResidualBlock(channels) for _ in range(blocks)])
+        self.head = nn.Linear(channels, classes)
+
+    def forward(self, x):
+        x = self.layers(self.stem(x))
+        return self.head(x.mean(dim=(2, 3)))
+
+
+def cnn_batch(batch=16, size=32, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(batch, 3, size, size, generator=g), torch.randint(0, 10, (batch,), generator=g)
+
+
+def cnn_loss(model, batch):
+    x, y = batch
+    return F.cross_entropy(model(x), y)
+
+
+def mlp(width=256, layers=6, inputs=64, outputs=8):
+    parts = [nn.Linear(inputs, width), nn.ReLU()]
+    for _ in range(layers - 2):
+        parts += [nn.Linear(width, width), nn.ReLU()]
+    parts.append(nn.Linear(width, outputs))
+    return nn.Sequential(*parts)
+
+
+def mlp_batch(batch=2048, inputs=64, outputs=8, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(batch, inputs, generator=g)
+    return x, x[:, :outputs] * 2 + 0.5
+
+
+def mlp_loss(model, batch):
+    x, y = batch
+    return F.mse_loss(model(x), y)
+
+
+def make(name, seed=0):
+    """(model, batch, loss_fn) for 'gpt', 'cnn' or 'mlp', seeded."""
+    torch.manual_seed(seed)
+    if name == "gpt":
+        return GPT(), gpt_batch(seed=seed), gpt_loss
+    if name == "cnn":
+        return CNN(), cnn_batch(seed=seed), cnn_loss
+    if name == "mlp":
+        return mlp(), mlp_batch(seed=seed), mlp_loss
+    raise ValueError(name)

@@ -1,0 +1,112 @@
+"""memfit.plan + memfit.apply at 60% and 45% of the plain step's peak: the step stays under the
+budget, and the plan predicted its peak within 5%."""
+import pytest
+import torch
+
+import memfit
+from models import make
+
+
+def plain_step(model, opt, loss_fn, batch):
+    opt.zero_grad(set_to_none=True)
+    loss = loss_fn(model, batch)
+    loss.backward()
+    opt.step()
+    opt.zero_grad(set_to_none=True)
+    return loss.item()
+
+
+def peak_of(fn, steps=2):
+    """The allocator's peak over `steps` calls (the first makes the optimizer's state)."""
+    with memfit.budget(1 << 40) as b:
+        for _ in range(steps):
+            fn()
+    return b.peak_bytes
+
+
+def plain_peak(name):
+    model, batch, loss_fn = make(name)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    return peak_of(lambda: plain_step(model, opt, loss_fn, batch))
+
+
+@pytest.mark.parametrize("fraction", [0.6, 0.45])
+@pytest.mark.parametrize("name", ["gpt", "cnn", "mlp"])
+def test_planned_step_fits_and_is_predicted_within_5_percent(name, fraction):
+    budget = int(plain_peak(name) * fraction)
+    model, batch, loss_fn = make(name)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    plan = memfit.plan(model, opt, loss_fn, batch, budget, progress=False)
+    step = memfit.apply(model, opt, plan)
+    try:
+        with memfit.budget(budget) as b:
+            for _ in range(2):
+                step(batch)
+    finally:
+        memfit.remove(model)
+    measured = b.peak_bytes
+    assert measured <= budget, f"{plan}\nmeasured {measured} > budget {budget}"
+    error = abs(plan.predicted_peak_bytes - measured) / measured
+    assert error <= 0.05, f"{plan}\nmeasured {measured}, predicted {plan.predicted_peak_bytes} ({error:.1%})"
+
+
+def test_plan_reads_as_a_table_and_json():
+    model, batch, loss_fn = make("gpt")
+    opt = torch.optim.AdamW(model.parameters())
+    plan = memfit.plan(model, opt, loss_fn, batch, int(plain_peak("gpt") * 0.45), progress=False)
+    text = str(plan)
+    assert "micro-batch x accumulation" in text and "predicted peak" in text
+    data = plan.to_dict()
+    assert data["micro_batch"] * data["accumulation"] >= 16
+    assert all(name.startswith("h.") for name in plan.checkpointed)
+    assert plan.block_names == [f"h.{i}" for i in range(6)]
+
+
+@pytest.mark.parametrize("name,precision,state", [("mlp", "bf16", "8bit"), ("gpt", "fp32", "8bit"), ("cnn", "bf16", "fp32")])
+def test_each_precision_and_optimizer_state_is_predicted_within_5_percent(name, precision, state):
+    """The default plan depends on timings; these pin the configurations it may pick elsewhere."""
+    budget = int(plain_peak(name) * 0.45)
+    model, batch, loss_fn = make(name)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    plan = memfit.plan(model, opt, loss_fn, batch, budget, precisions=(precision,), optimizer_state=state,
+                       progress=False)
+    assert (plan.precision, plan.optimizer_state) == (precision, state)
+    step = memfit.apply(model, opt, plan)
+    try:
+        with memfit.budget(budget) as b:
+            for _ in range(2):
+                step(batch)
+    finally:
+        memfit.remove(model)
+    assert b.peak_bytes <= budget, str(plan)
+    assert abs(plan.predicted_peak_bytes - b.peak_bytes) <= 0.05 * b.peak_bytes, f"{plan}\nmeasured {b.peak_bytes}"
+
+
+def test_progress_reaches_its_total_and_a_pipe_gets_no_bar(capfd):
+    model, batch, loss_fn = make("mlp")
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    events = []
+    memfit.plan(model, opt, loss_fn, batch, "1GiB", progress=lambda done, total, what: events.append((done, total)))
+    assert events and events[-1][0] == events[-1][1]
+    assert all(a <= b for (a, _), (b, _) in zip(events, events[1:]))
+    memfit.plan(model, opt, loss_fn, batch, "1GiB")  # progress=None: stderr is not a terminal here
+    assert "memfit [" not in capfd.readouterr().err
+
+
+def test_a_model_with_batchnorm_on_a_single_value_per_channel_plans():
+    """BatchNorm cannot train on one sample of a (samples, features) input: profiling never runs one."""
+    model = torch.nn.Sequential(torch.nn.Linear(8, 32), torch.nn.BatchNorm1d(32), torch.nn.ReLU(), torch.nn.Linear(32, 1))
+    batch = (torch.randn(64, 8), torch.randn(64, 1))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    plan = memfit.plan(model, opt, lambda m, b: torch.nn.functional.mse_loss(m(b[0]), b[1]), batch, "1GiB",
+                       precisions=("fp32", "bf16"), progress=False)
+    assert plan.micro_batch * plan.accumulation == 64
+
+
+
+def test_notes_name_plans_arguments():
+    from memfit._plan import _in_python_terms
+    note = "precision bf16 chosen: measured faster (`precision` fp32 forbids it)"
+    assert _in_python_terms(note) == "precision bf16 chosen: measured faster (precisions=('fp32',) forbids it)"
+    note = "optimizer state 8bit chosen: ... (`optimizer.state` fp32 forbids it)"
+    assert _in_python_terms(note).endswith("(optimizer_state='fp32' forbids it)")

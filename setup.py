@@ -1,0 +1,127 @@
+"""Builds the Python package `memfit` (import memfit) against the torch that is installed.
+
+    pip install .            # from the repository root (see README, "From Python")
+
+The extension `memfit._C` compiles the library's layers the Python package uses (measure/,
+techniques/, runtime/, plan/, report/; not train/, zoo/ or cli/) with the bindings in
+python/src/, through torch's own extension machinery: the same LibTorch, the same C++ ABI and
+the same pybind11 as the running torch, so memfit's allocator and tracker see every allocation
+Python makes. Objects go to build-python/torch-<version>/ (kept between builds: ninja rebuilds
+only what changed; MAX_JOBS sets its parallelism).
+"""
+import os
+import sys
+
+from setuptools import setup
+
+try:
+    import torch
+    from torch.utils.cpp_extension import BuildExtension, CppExtension
+except ImportError:  # pragma: no cover - the message is the point
+    sys.exit("memfit: building the Python package needs torch installed first (pip install torch, "
+             "or Debian's python3-torch in a venv made with --system-site-packages)")
+
+ROOT = os.path.dirname(os.path.abspath(__file__))
+
+# The library's sources the bindings reach (the linker drops what they do not use).
+LIBRARY_SOURCES = [
+    "src/digest.cpp",
+    "src/measure/breakdown.cpp",
+    "src/measure/budget_allocator.cpp",
+    "src/measure/cuda_allocator_conf.cpp",
+    "src/measure/cuda_allocator_model.cpp",
+    "src/measure/cuda_budget.cpp",
+    "src/measure/cuda_reserved.cpp",
+    "src/measure/memory_tracker.cpp",
+    "src/measure/size.cpp",
+    "src/techniques/accumulation.cpp",
+    "src/techniques/autocast.cpp",
+    "src/techniques/grad_scaler.cpp",
+    "src/techniques/grads.cpp",
+    "src/techniques/optimizer_8bit.cpp",
+    "src/techniques/optimizer_8bit_fused.cpp",
+    "src/techniques/rng.cpp",
+    "src/runtime/chain.cpp",
+    "src/runtime/dataset.cpp",
+    "src/runtime/optimizer.cpp",
+    "src/runtime/step.cpp",
+    "src/runtime/step_config.cpp",
+    "src/runtime/workload.cpp",
+    "src/techniques/checkpoint.cpp",
+    "src/plan/job.cpp",
+    "src/plan/planner.cpp",
+    "src/plan/profile.cpp",
+    "src/plan/profile_cache.cpp",
+    "src/plan/rank_states.cpp",
+    "src/plan/schedule.cpp",
+    "src/report/document.cpp",
+    "src/report/html_common.cpp",
+    "src/report/html_report.cpp",
+    "src/report/html_timeline.cpp",
+]
+BINDING_SOURCES = [
+    "python/src/bindings.cpp",
+    "python/src/bind_measure.cpp",
+    "python/src/bind_plan.cpp",
+    "python/src/bind_optim.cpp",
+    "python/src/track_analysis.cpp",
+]
+
+
+def torch_has_cuda():
+    return torch.version.cuda is not None and os.path.exists(
+        os.path.join(os.path.dirname(torch.__file__), "lib", "libc10_cuda.so"))
+
+
+def extension():
+    with_cuda = torch_has_cuda()
+    defines = [("MEMFIT_WITH_CUDA", "1" if with_cuda else "0"), ("FMT_HEADER_ONLY", "1"),
+               ("MEMFIT_VERSION", '"0.1.0"')]
+    libraries = ["crypto"] + (["c10_cuda", "torch_cuda"] if with_cuda else [])
+    include_dirs = [os.path.join(ROOT, "include"), os.path.join(ROOT, "src")]
+    if with_cuda:
+        # The CUDA runtime headers c10/cuda includes: the toolkit's, else the wheel's nvidia package.
+        site = os.path.dirname(os.path.dirname(torch.__file__))
+        wheel = [os.path.join(site, "nvidia", n) for n in ("cu13", "cu12", "cuda_runtime")]
+        for d in [os.environ.get("CUDA_HOME", ""), "/usr/local/cuda"] + wheel:
+            if d and os.path.exists(os.path.join(d, "include", "cuda_runtime_api.h")):
+                include_dirs.append(os.path.join(d, "include"))
+                break
+    return CppExtension(
+        "memfit._C",
+        sources=[os.path.relpath(os.path.join(ROOT, s)) for s in LIBRARY_SOURCES + BINDING_SOURCES],
+        include_dirs=include_dirs,
+        define_macros=defines,
+        libraries=libraries,
+        # The fused 8-bit Adam rounds as LibTorch's kernels do (no FMA contraction); sqrt without
+        # errno lets its loop vectorize (CMakeLists.txt sets the same for that file).
+        extra_compile_args=["-O2", "-g0", "-std=c++17", "-ffp-contract=off", "-fno-math-errno",
+                            "-Wno-unused-parameter", "-Wno-sign-compare"],
+    )
+
+
+class Build(BuildExtension):
+    """torch's BuildExtension, also recording the torch version built against beside the module."""
+
+    def run(self):
+        super().run()
+        for ext in self.extensions:
+            path = os.path.join(os.path.dirname(self.get_ext_fullpath(ext.name)), "_C.torch_version")
+            with open(path, "w") as f:
+                f.write(torch.__version__ + "\n")
+
+
+build_base = os.path.join("build-python", "torch-" + torch.__version__.replace("+", "-"))
+os.makedirs(build_base, exist_ok=True)
+setup(
+    name="memfit",
+    version="0.1.0",
+    description="Make PyTorch training fit a memory budget: exact bytes, a planner, the techniques applied",
+    packages=["memfit"],
+    package_dir={"": "python"},
+    ext_modules=[extension()],
+    cmdclass={"build_ext": Build.with_options(use_ninja=True)},
+    options={"build": {"build_base": build_base}, "egg_info": {"egg_base": build_base}},
+    python_requires=">=3.9",
+    zip_safe=False,
+)
