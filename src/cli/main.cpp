@@ -128,11 +128,13 @@ void require_decimal_integers(CLI::App& app) {
   for (CLI::App* sub : app.get_subcommands([](CLI::App*) { return true; })) require_decimal_integers(*sub);
 }
 
-// One "memfit: " prefix, whatever the library's message starts with.
+// One line: one "memfit: " prefix, whatever the library's message starts with; the line that
+// says the cause (for a TorchScript error, the innermost); nothing raw from a file (parser
+// errors quote what they read), and not too long.
 void print_error(const std::string& message) {
   const std::string prefix = "memfit: ";
   const std::string text = message.rfind(prefix, 0) == 0 ? message.substr(prefix.size()) : message;
-  std::fprintf(stderr, "memfit: %s\n", text.substr(0, text.find('\n')).c_str());
+  std::fprintf(stderr, "memfit: %s\n", printable(error_cause(text)).c_str());
 }
 
 // Runs the parsed subcommand; library errors become one line (flag names for bad options).
@@ -203,7 +205,7 @@ int main(int argc, char** argv) {
   } catch (const CLI::CallForVersion& e) {
     return app.exit(e);
   } catch (const CLI::ParseError& e) {
-    std::fprintf(stderr, "memfit: %s (see memfit --help)\n", e.what());
+    std::fprintf(stderr, "memfit: %s (see memfit --help)\n", printable(e.what()).c_str());
     return 2;
   }
   if (report->parsed()) return dispatch([&] { return run_report_command(report_w, report_s, report_f); });
