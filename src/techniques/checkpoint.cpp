@@ -12,20 +12,38 @@
 namespace memfit {
 namespace {
 
+// The identity, as a node of the graph: its output shares the input's storage (no copy) but is
+// not a leaf, and not a view of one, so the block may write into it in place. (A view of a leaf
+// that requires grad may not be written into either.)
+class NonLeafAlias : public torch::autograd::Function<NonLeafAlias> {
+ public:
+  static at::Tensor forward(torch::autograd::AutogradContext*, const at::Tensor& x) { return x.detach(); }
+  static torch::autograd::variable_list backward(torch::autograd::AutogradContext*, torch::autograd::variable_list g) {
+    return {g[0]};
+  }
+};
+
+// What the block runs on, in the forward and in the recompute: the saved input itself, or a
+// copy where the block may write into its input (the saved input is the caller's tensor: the
+// chain's input, another block's output).
+at::Tensor input_for_block(const at::Tensor& input, bool block_may_write_input) {
+  at::NoGradGuard no_grad;
+  return block_may_write_input ? input.clone() : input;
+}
+
 // The block run again on its saved input, with grad, under the random and autocast state of
-// its first forward: the input (a detached copy that requires grad as the saved one did) and
-// the output, whose graph backward then differentiates.
+// its first forward: the leaf that gradients are taken against and the output, whose graph
+// backward then differentiates.
 std::pair<at::Tensor, at::Tensor> recompute_block(const at::Tensor& input, const BlockFn& block, const RngState& rng_state,
-                                                  const AutocastState& autocast) {
-  at::Tensor x = input.detach();
-  x.requires_grad_(input.requires_grad());
+                                                  const AutocastState& autocast, bool block_may_write_input) {
   torch::AutoGradMode grad_on(true);
+  const BlockInput x = block_input(input_for_block(input, block_may_write_input), input.requires_grad());
   PhaseGuard recompute(Phase::kRecompute);
   RngStateGuard rng(rng_state);
   Autocast cpu_autocast(c10::kCPU, autocast.cpu_dtype, autocast.cpu_enabled);
   Autocast cuda_autocast(c10::kCUDA, autocast.cuda_dtype, autocast.cuda_enabled);
-  at::Tensor y = block(x);
-  return {x, y};
+  at::Tensor y = block(x.input);
+  return {x.leaf, y};
 }
 
 // What the recompute needs besides the saved input: the block, and the random and autocast
@@ -36,6 +54,7 @@ struct CheckpointState : torch::CustomClassHolder {
   AutocastState autocast;
   std::vector<at::Tensor> params;  // the parameters themselves (leaves: no copy is made)
   std::vector<at::Tensor> buffers;  // updated in place by the block (BatchNorm statistics)
+  bool block_may_write_input = false;
 };
 
 // Puts buffers back, at the end of a scope, to their values at its start: the recompute runs
@@ -64,7 +83,7 @@ class CheckpointFunction : public torch::autograd::Function<CheckpointFunction> 
     (void)params;
     ctx->save_for_backward({input});
     ctx->saved_data["state"] = c10::IValue::make_capsule(state);
-    return state->block(input);
+    return state->block(input_for_block(input, state->block_may_write_input));
   }
 
   static torch::autograd::variable_list backward(torch::autograd::AutogradContext* ctx,
@@ -76,27 +95,26 @@ class CheckpointFunction : public torch::autograd::Function<CheckpointFunction> 
 
     // Until the recomputed graph is differentiated (BatchNorm's backward reads its statistics).
     BufferGuard buffers(state->buffers);
-    auto [x, y] = recompute_block(input, state->block, state->rng, state->autocast);
+    auto [x, y] = recompute_block(input, state->block, state->rng, state->autocast, state->block_may_write_input);
 
-    // Differentiate the recomputed graph w.r.t. the input and the parameters.
+    // Differentiate the recomputed graph w.r.t. the input and the parameters. The parameters'
+    // gradients go into their .grad as the recomputed graph's backward makes them (as in a plain
+    // run: a later micro-batch's new gradient is freed once added), not held as results until
+    // the whole segment's backward returns; the input's comes back from its leaf.
     std::vector<at::Tensor> wrt;
     if (x.requires_grad()) wrt.push_back(x);
     for (const at::Tensor& p : params) {
       if (p.requires_grad()) wrt.push_back(p);
     }
-    std::vector<at::Tensor> grads;
     if (!wrt.empty() && y.requires_grad()) {
-      grads = torch::autograd::grad({y}, wrt, {grad_outputs[0]}, /*retain_graph=*/false,
-                                    /*create_graph=*/false, /*allow_unused=*/true);
-    } else {
-      grads.assign(wrt.size(), at::Tensor());
+      torch::autograd::backward({y}, {grad_outputs[0]}, /*retain_graph=*/false, /*create_graph=*/false, wrt);
     }
 
-    // One gradient per forward argument: input, each parameter, and the (non-tensor) state.
+    // One gradient per forward argument: input, each parameter (already added), and the
+    // (non-tensor) state.
     torch::autograd::variable_list out;
-    size_t next = 0;
-    out.push_back(x.requires_grad() ? grads[next++] : at::Tensor());
-    for (const at::Tensor& p : params) out.push_back(p.requires_grad() ? grads[next++] : at::Tensor());
+    out.push_back(x.requires_grad() ? x.grad() : at::Tensor());
+    for (size_t i = 0; i < params.size(); ++i) out.push_back(at::Tensor());
     out.push_back(at::Tensor());
     return out;
   }
@@ -120,6 +138,7 @@ struct GatheredState : torch::CustomClassHolder {
   AutocastState autocast;
   GatheredParams gathered;
   std::vector<at::Tensor> buffers;
+  bool block_may_write_input = false;
 };
 
 class GatheredFunction : public torch::autograd::Function<GatheredFunction> {
@@ -131,7 +150,7 @@ class GatheredFunction : public torch::autograd::Function<GatheredFunction> {
     ctx->save_for_backward({input});
     ctx->saved_data["state"] = c10::IValue::make_capsule(state);
     GatheredScope gathered(state->gathered);
-    return state->block(input);
+    return state->block(input_for_block(input, state->block_may_write_input));
   }
 
   static torch::autograd::variable_list backward(torch::autograd::AutogradContext* ctx,
@@ -144,7 +163,7 @@ class GatheredFunction : public torch::autograd::Function<GatheredFunction> {
     {
       GatheredScope gathered(state->gathered);
       BufferGuard buffers(state->buffers);
-      auto [x, y] = recompute_block(input, state->block, state->rng, state->autocast);
+      auto [x, y] = recompute_block(input, state->block, state->rng, state->autocast, state->block_may_write_input);
       std::vector<at::Tensor> wrt(params.begin(), params.end());
       if (x.requires_grad()) wrt.push_back(x);
       if (y.requires_grad()) {
@@ -168,8 +187,15 @@ class GatheredFunction : public torch::autograd::Function<GatheredFunction> {
 
 }  // namespace
 
+BlockInput block_input(const at::Tensor& x, bool requires_grad) {
+  at::Tensor leaf = x.detach();
+  if (!requires_grad) return {leaf, leaf};
+  leaf.requires_grad_(true);
+  return {leaf, NonLeafAlias::apply(leaf)};
+}
+
 at::Tensor checkpoint_gathered(BlockFn block, const at::Tensor& input, const at::Tensor& shard, GatheredParams gathered,
-                               std::vector<at::Tensor> buffers) {
+                               std::vector<at::Tensor> buffers, bool block_may_write_input) {
   if (!at::GradMode::is_enabled()) {
     GatheredScope scope(gathered);
     return block(input);
@@ -180,10 +206,12 @@ at::Tensor checkpoint_gathered(BlockFn block, const at::Tensor& input, const at:
   state->autocast = AutocastState::capture();
   state->gathered = std::move(gathered);
   state->buffers = std::move(buffers);
+  state->block_may_write_input = block_may_write_input;
   return GatheredFunction::apply(input, shard, state);
 }
 
-at::Tensor checkpoint(BlockFn block, const at::Tensor& input, at::TensorList params, std::vector<at::Tensor> buffers) {
+at::Tensor checkpoint(BlockFn block, const at::Tensor& input, at::TensorList params, std::vector<at::Tensor> buffers,
+                      bool block_may_write_input) {
   if (!at::GradMode::is_enabled()) return block(input);  // nothing to save in evaluation
 
   auto state = c10::make_intrusive<CheckpointState>();
@@ -192,6 +220,7 @@ at::Tensor checkpoint(BlockFn block, const at::Tensor& input, at::TensorList par
   state->autocast = AutocastState::capture();
   state->params = params.vec();
   state->buffers = std::move(buffers);
+  state->block_may_write_input = block_may_write_input;
   return CheckpointFunction::apply(input, params, state);
 }
 

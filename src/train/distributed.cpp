@@ -655,7 +655,8 @@ at::Tensor ShardedDataParallel::run_block(int index, const at::Tensor& x, const 
   g.gather = [this, k] { gather(shards_[static_cast<size_t>(k)]); };
   g.release = [this, k] { release(shards_[static_cast<size_t>(k)]); };
   g.reduce = [this, k](std::vector<at::Tensor> grads) { return reduce_to_shard(shards_[static_cast<size_t>(k)], std::move(grads)); };
-  return checkpoint_gathered(run, x, shards_[static_cast<size_t>(k)].shard, std::move(g), chain_->block_buffers(index, index));
+  return checkpoint_gathered(run, x, shards_[static_cast<size_t>(k)].shard, std::move(g), chain_->block_buffers(index, index),
+                             chain_->may_write_input(index));
 }
 
 std::vector<GatheredBlockBytes> ShardedDataParallel::block_bytes() const {
