@@ -3,6 +3,8 @@
 #include <algorithm>
 #include <sstream>
 #include <stdexcept>
+#include <unordered_map>
+#include <unordered_set>
 
 #include "memfit/errors.h"
 #include "memfit/measure/memory_tracker.h"
@@ -127,11 +129,39 @@ void Chain::learn_input_writes(const at::Tensor& input) {
   run_blocks(input.clone(), 0, size() - 1);
 }
 
+namespace {
+
+// `tensors` without repeats of the same tensor, in first-seen order.
+std::vector<at::Tensor> each_once(const std::vector<at::Tensor>& tensors) {
+  std::vector<at::Tensor> out;
+  std::unordered_set<const c10::TensorImpl*> seen;
+  for (const auto& t : tensors) {
+    if (seen.insert(t.unsafeGetTensorImpl()).second) out.push_back(t);
+  }
+  return out;
+}
+
+}  // namespace
+
 std::vector<at::Tensor> Chain::block_parameters(int first, int last) const {
   std::vector<at::Tensor> out;
   for (int i = first; i <= last; ++i) {
     for (const auto& p : block(i).module->parameters()) out.push_back(p);
   }
+  return each_once(out);
+}
+
+std::vector<at::Tensor> Chain::parameters(bool recurse) const {
+  return each_once(torch::nn::Module::parameters(recurse));
+}
+
+std::vector<int> Chain::parameter_blocks() const {
+  std::unordered_map<const c10::TensorImpl*, int> last_holder;
+  for (int i = 0; i < size(); ++i) {
+    for (const auto& p : block(i).module->parameters()) last_holder[p.unsafeGetTensorImpl()] = i;
+  }
+  std::vector<int> out;
+  for (const auto& p : parameters()) out.push_back(last_holder.at(p.unsafeGetTensorImpl()));
   return out;
 }
 

@@ -73,8 +73,18 @@ class Chain : public torch::nn::Module {
   // How errors and notes name block `index`: "block 2 (embed)"; a TorchScript block, named
   // "<child>:<type>", "block 2:relu (ReLU)".
   std::string describe_block(int index) const;
+  // The parameters blocks [first, last] read, each once.
   std::vector<at::Tensor> block_parameters(int first, int last) const;
   std::vector<at::Tensor> block_buffers(int first, int last) const;
+
+  // Each parameter once, in the order blocks first hold them. A tensor that several blocks
+  // hold (tied weights, as GPT-2's token embedding and output layer) is one parameter, as
+  // PyTorch's Module.parameters() has it; torch::nn::Module's own list names it once per holder
+  // (an optimizer given that list steps it twice a step). Hides torch::nn::Module::parameters.
+  std::vector<at::Tensor> parameters(bool recurse = true) const;
+  // For each of parameters(), the block whose backward makes its gradient: the last block that
+  // holds it (backward runs the blocks in reverse).
+  std::vector<int> parameter_blocks() const;
 
   // Whether block `index` may write into its input tensor (an in-place first op, as
   // torchvision's ReLU(inplace=True)): learned from the input's version counter whenever the
