@@ -12,12 +12,14 @@
 //   `input` does not require grad. Every tensor requiring grad that the block reads must be in
 //   `params` (usually module->parameters()); one that is not gets no gradient.
 // - Outside grad mode (evaluation) the block simply runs.
+// - The recompute's backward adds the parameters' gradients into their .grad as it makes them
+//   (as a plain run does), rather than holding them until the whole segment's backward is done.
 // - `buffers` (BatchNorm's running statistics and the like) are updated once, by the forward:
 //   the recompute's second update is undone (PyTorch's checkpoint updates them twice).
 // - A block whose first op writes into its input (ReLU(inplace=True), x.add_(...)) works when
 //   `block_may_write_input` says so: the forward and the recompute each run it on a copy of the
-//   saved input (the caller's tensor, left as it was), the recompute's as a tensor that is not a
-//   leaf (block_input). Gradients equal the plain run's. (PyTorch 1.13's reentrant checkpoint
+//   saved input (the caller's tensor, left as it was), the recompute's as a tensor of the graph,
+//   not a leaf. Gradients equal the plain run's. (PyTorch 1.13's reentrant checkpoint
 //   refuses such a block; its non-reentrant one recomputes on the input the forward already
 //   wrote into: SiLU(inplace=True) then gets wrong gradients.) Without the flag, such a block
 //   writes into the saved input.
@@ -35,17 +37,6 @@ using BlockFn = std::function<at::Tensor(const at::Tensor&)>;
 
 at::Tensor checkpoint(BlockFn block, const at::Tensor& input, at::TensorList params, std::vector<at::Tensor> buffers = {},
                       bool block_may_write_input = false);
-
-// A block's input when the block runs apart from the graph that made it (a recompute,
-// profiling): `leaf`, detached from `x`, is what gradients are taken against (it requires grad
-// when asked); `input`, what the block runs on, is the same storage as a node of the graph, not
-// a leaf, so that an in-place first op is allowed as it is in a plain run. A block that writes
-// into `input` writes into x's storage.
-struct BlockInput {
-  at::Tensor leaf;
-  at::Tensor input;
-};
-BlockInput block_input(const at::Tensor& x, bool requires_grad);
 
 // A block whose parameters exist in full only while gathered (ZeRO 3, train/distributed.h):
 // the hooks make `params` hold their full values, free them again, and turn the full
