@@ -181,7 +181,7 @@ int run_plan_command(WorkloadFlags& wf, const StepFlags& sf, const PlanFlags& f)
   if (timed > 0) store_costs(source, planner.measured_costs());  // the cache keeps the sizes timed
   Verification v;
   const bool verified = f.verify && plan.feasible;
-  if (verified) v = verify_plan(w, planner, plan, *tracker, /*measure_plain=*/true);
+  if (verified) v = verify_plan(w, planner, plan, *tracker, /*measure_plain=*/true, &batch);
   nlohmann::json j = verified ? verified_plan_json(plan, v) : plan_json(plan);
   for (const auto& n : w.notes) j["notes"].push_back(n);
   j["profile_seconds"] = source.seconds;

@@ -236,6 +236,7 @@ void Planner::add_gathered_blocks(ChainCosts& c) const {
     b.forward_peak += g.full;
     b.forward_nograd_peak += g.full;
     b.backward_peak += g.full;
+    b.backward_peak_accumulating += g.full;
     b.param_bytes = g.shard;
     b.cast_bytes = 0;
   }

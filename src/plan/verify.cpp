@@ -34,10 +34,11 @@ double run_steps(Workload& w, const Batch& data, const StepConfig& config, Memor
 
 }  // namespace
 
-Verification verify_plan(Workload& w, const Planner& planner, Plan& plan, MemoryTracker& tracker, bool measure_plain) {
+Verification verify_plan(Workload& w, const Planner& planner, Plan& plan, MemoryTracker& tracker, bool measure_plain,
+                         const Batch* batch) {
   Verification v;
   BudgetAllocator::install();
-  const Batch data = w.data->train_batch(0, plan.config.batch, w.seed).to(plan.config.device);
+  const Batch data = batch != nullptr ? *batch : w.data->train_batch(0, plan.config.batch, w.seed).to(plan.config.device);
   if (measure_plain) {
     StepConfig plain = plan.config;
     plain.micro_batch = 0;

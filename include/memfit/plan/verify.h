@@ -23,9 +23,11 @@ struct Verification {
 
 // Three real steps (the optimizer of plan.config) on the workload's first batch; the last two,
 // in steady state, are measured. If the measured peak exceeds the budget, plans again 5%
-// tighter (up to 3 attempts) and updates `plan`.
+// tighter (up to 3 attempts) and updates `plan`. `batch`: that first batch where the caller
+// holds it (the one it profiled), so that the steps run with one batch alive as training
+// does; nullptr: made here.
 Verification verify_plan(Workload& workload, const Planner& planner, Plan& plan, MemoryTracker& tracker,
-                         bool measure_plain);
+                         bool measure_plain, const Batch* batch = nullptr);
 
 // plan_json(plan) with the measurements added ("measured", "verify_attempts", notes).
 nlohmann::json verified_plan_json(const Plan& plan, const Verification& verification);
