@@ -2,7 +2,7 @@
 // GPT with fp32 AdamW vs blockwise 8-bit AdamW, alternating in rounds (the same weights and
 // batch for both), medians. Goals: optimizer phase <= 2x fp32's, whole step <= 1.05x.
 //
-//   source bench/quiet_env.sh && ./build/bench/optimizer_8bit [--rounds N] [--threads N] [--batch N]
+//   source bench/harness/quiet_env.sh && ./build/bench/optimizer_8bit [--rounds N] [--threads N] [--batch N]
 //        [--layers N --d-model N --seq N]
 #include <torch/torch.h>
 

@@ -2,7 +2,7 @@
 // for one epoch (60000 samples) with fp32 AdamW and with blockwise 8-bit AdamW, the same seed,
 // weights and batches, then its test accuracy on the 10000 test images. Goal: within 1 point.
 //
-//   source bench/quiet_env.sh && ./build/bench/optimizer_8bit_parity [--epochs-share F] [--threads N]
+//   source bench/harness/quiet_env.sh && ./build/bench/optimizer_8bit_parity [--epochs-share F] [--threads N]
 //        [--batch N] [--states fp32,8bit]
 #include <torch/torch.h>
 

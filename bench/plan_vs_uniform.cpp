@@ -3,7 +3,7 @@
 // step's measured peak. Peaks in exact bytes from the tracker; times as ratios of medians
 // measured in this run.
 //
-//   source bench/quiet_env.sh   # OpenMP wait policy and malloc settings: see there
+//   source bench/harness/quiet_env.sh   # OpenMP wait policy and malloc settings: see there
 //   ./build/bench/plan_vs_uniform [--model gpt|cnn] [--batch N] [--rounds R] [--steps N] [--threads N]
 #include <torch/torch.h>
 
@@ -86,7 +86,7 @@ int main(int argc, char** argv) {
   plain_config.batch = batch;
   const StepOptions plain_options{plain_config};
   const char* wait = std::getenv("OMP_WAIT_POLICY");
-  std::printf("command: %s", wait ? "source bench/quiet_env.sh && " : "");
+  std::printf("command: %s", wait ? "source bench/harness/quiet_env.sh && " : "");
   std::printf("%s", argv[0]);
   for (int i = 1; i < argc; ++i) std::printf(" %s", argv[i]);
   std::printf("\n%s; batch %lld, %d threads; per budget, %d alternating rounds of plain / memfit / uniform, "

@@ -4,7 +4,7 @@
 //   ./build/bench/tracker_overhead [--steps N] [--threads N] [--precision fp32|bf16] [--layers N --d-model N ...]
 //
 // --tracked 0|1 runs one warm-up step and then --steps steps, all without (0) or with (1) the
-// tracker, and times nothing: bench/tracker_instructions.sh counts their instructions under
+// tracker, and times nothing: bench/harness/tracker_instructions.sh counts their instructions under
 // callgrind, which (unlike time) repeats exactly.
 #include <torch/torch.h>
 

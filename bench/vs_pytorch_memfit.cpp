@@ -1,4 +1,4 @@
-// The memfit side of bench/vs_pytorch.sh: memfit's plans for the budgets PyTorch's variants are
+// The memfit side of bench/harness/vs_pytorch.sh: memfit's plans for the budgets PyTorch's variants are
 // compared at, each run for real under BudgetAllocator at that budget. One JSON line per row:
 //
 //   plain        the whole batch, nothing recomputed, no budget (memfit's "eager")
@@ -24,7 +24,7 @@
 // holds its data outside the allocator; peaks are then the step's own bytes on both sides.
 //
 // Set OPENBLAS_NUM_THREADS (and OMP_NUM_THREADS) to --threads before starting it, as
-// bench/vs_pytorch.sh does: OpenBLAS sizes its own pool when it is loaded.
+// bench/harness/vs_pytorch.sh does: OpenBLAS sizes its own pool when it is loaded.
 #include <torch/torch.h>
 
 #include <nlohmann/json.hpp>

@@ -54,5 +54,5 @@ echo "test-torch2: $build/memfit links: $(ldd "$build/memfit" | grep -oE 'lib(to
 
 export MEMFIT_TEST_PYTHON="$venv/bin/python"
 cd "$build"
-ctest --output-on-failure -j1 --timeout 900
+ctest --output-on-failure -j"$jobs" --timeout 900
 echo "test-torch2: done in $((SECONDS - start)) s"

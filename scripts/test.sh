@@ -4,4 +4,4 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh
 cd "${BUILD_DIR:-build}"
-ctest --output-on-failure -j1 --timeout 900
+ctest --output-on-failure -j"$(nproc)" --timeout 900

@@ -166,6 +166,27 @@ TEST(HtmlReport, DownsamplingKeepsTheMaximumPoint) {
   EXPECT_LT(html.size(), 1500000u) << "timeline was downsampled";
 }
 
+TEST(HtmlReport, DrawsTheReservedSeriesBesideAllocated) {
+  json doc = {{"title", "reserved"}, {"categories", {"weights", "activations"}}};
+  json timeline = json::array();
+  for (int i = 0; i < 10; ++i) {
+    timeline.push_back({{"t_us", i * 10}, {"weights", 1000}, {"activations", 100 * i}, {"cuda_reserved", 2097152}});
+  }
+  doc["timeline"] = timeline;
+  doc["reserved_series"] = {{"key", "cuda_reserved"}, {"label", "CUDA reserved (predicted)"}, {"peak_bytes", 2097152}};
+  const std::string html = memfit::render_html_report(doc);
+  EXPECT_TRUE(contains(html, R"(class="reserved-line" data-series="cuda_reserved")"));
+  EXPECT_TRUE(contains(html, R"(id="reserved-peak" class="muted" data-bytes="2097152")"));
+  EXPECT_TRUE(contains(html, R"(data-series="cuda_reserved"><span class="swatch-line")")) << "legend entry";
+  EXPECT_TRUE(contains(html, "[90,1000,900,2097152]")) << "reserved bytes in the hover data";
+  EXPECT_TRUE(contains(html, ">2 MiB</text>")) << "the byte axis reaches the reserved line";
+  // Without the series: no line, no legend entry, hover rows as before.
+  doc.erase("reserved_series");
+  const std::string plain = memfit::render_html_report(doc);
+  EXPECT_FALSE(contains(plain, R"(class="reserved-line")"));
+  EXPECT_TRUE(contains(plain, "[90,1000,900]"));
+}
+
 TEST(HtmlReport, RejectsNonObjectDocument) {
   EXPECT_THROW(memfit::render_html_report(json::array()), std::invalid_argument);
 }

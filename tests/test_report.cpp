@@ -52,7 +52,7 @@ TEST(ReportTest, JsonHasTheDocumentedFields) {
   EXPECT_TRUE(j["phases"].contains("forward"));
   EXPECT_TRUE(j["phases"].contains("backward"));
   EXPECT_TRUE(j["phases"].contains("optimizer"));
-  auto doc = report_chart_document(r);
+  auto doc = report_document(r).to_json();
   EXPECT_EQ(doc["timeline"].size(), r.analysis.timeline.size());
 }
 
@@ -123,6 +123,63 @@ TEST(ReportTest, BadModelOptionsAreClearErrors) {
   o = test::small_gpt();
   o.data_file = "/nonexistent/file.txt";
   EXPECT_THROW(make_workload(o), std::runtime_error);
+}
+
+
+// --- what the recorded run would reserve on a CUDA device (measure/cuda_reserved.h) ---
+
+TEST(CudaReservedTest, GptRunReservesAtLeastWhatItAllocates) {
+  Report r = gpt_report(8);
+  ASSERT_TRUE(r.cuda.valid);
+  EXPECT_EQ(cuda_allocator_rules_name(r.cuda.rules), std::string(compat::kCudaAllocatorRulesName));
+  EXPECT_GE(r.cuda.peak_allocated, r.analysis.peak_bytes);  // blocks are rounded up, never down
+  EXPECT_GE(r.cuda.peak_reserved, r.cuda.peak_allocated);
+  EXPECT_EQ(r.cuda.peak_reserved % (2 << 20), 0);  // whole 2 MiB segments
+  // One reserved value per timeline point of the analysed step, each covering that point's live bytes.
+  ASSERT_EQ(r.cuda.reserved_series.size(), r.analysis.timeline.size());
+  for (size_t i = 0; i < r.analysis.timeline.size(); ++i) {
+    ASSERT_GE(r.cuda.reserved_series[i], r.analysis.timeline[i].live.total()) << "point " << i;
+    ASSERT_LE(r.cuda.reserved_series[i], r.cuda.peak_reserved);
+  }
+  const auto j = report_json(r);
+  EXPECT_EQ(j["cuda_reserved_peak_bytes"].get<int64_t>(), r.cuda.peak_reserved);
+  EXPECT_EQ(j["cuda_allocator_rules"].get<std::string>(), compat::kCudaAllocatorRulesName);
+  const auto doc = report_document(r).to_json();
+  EXPECT_EQ(doc["reserved_series"]["peak_bytes"].get<int64_t>(), r.cuda.peak_reserved);
+  EXPECT_EQ(doc["timeline"].back()["cuda_reserved"].get<int64_t>(), r.cuda.reserved_series.back());
+}
+
+TEST(CudaReservedTest, LargeTwoMiBMultiplesReserveExactlyTheirBytes) {
+  // Tensors of 10 to 40 MiB in 2 MiB steps, all kept: each is a CUDA segment of its own size.
+  test::use_memfit_allocator();
+  auto tracker = std::make_shared<MemoryTracker>();
+  TrackerScope scope(tracker);
+  tracker->start_recording();
+  std::vector<at::Tensor> kept;
+  for (int64_t mib = 10; mib <= 40; mib += 2) kept.push_back(torch::empty({mib << 20}, torch::kUInt8));
+  tracker->stop_recording();
+  const CudaReservedPrediction p =
+      predict_cuda_reserved(recorded_trace(*tracker), MemoryDevice::kCPU, cuda_prediction_options_from_env());
+  EXPECT_EQ(p.peak_reserved, tracker->peak());
+  EXPECT_EQ(p.peak_allocated, tracker->peak());
+}
+
+// Sets an environment variable for a scope, then removes it.
+struct ScopedEnv {
+  ScopedEnv(const char* name, const char* value) : name_(name) { ::setenv(name, value, 1); }
+  ~ScopedEnv() { ::unsetenv(name_); }
+  const char* name_;
+};
+
+TEST(CudaReservedTest, MalformedAllocConfIsOneClearLine) {
+  ScopedEnv conf("PYTORCH_CUDA_ALLOC_CONF", "max_split_size_mb:ten");
+  try {
+    gpt_report(2);
+    ADD_FAILURE() << "a malformed PYTORCH_CUDA_ALLOC_CONF was accepted";
+  } catch (const OptionError& e) {
+    EXPECT_EQ(e.option(), "PYTORCH_CUDA_ALLOC_CONF");
+    EXPECT_NE(std::string(e.what()).find("max_split_size_mb:ten"), std::string::npos) << e.what();
+  }
 }
 
 }  // namespace

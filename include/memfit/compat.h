@@ -101,6 +101,10 @@ inline void set_autocast_dtype(c10::DeviceType device, at::ScalarType dtype) {
 #endif
 }
 
+// The CUDA caching allocator's rules that measure/cuda_allocator_model.h follows: 1.13's, or
+// 2.x's (expandable segments, roundup_power2_divisions per size interval, >= 20 MiB splits).
+inline constexpr const char* kCudaAllocatorRulesName = MEMFIT_TORCH_AT_LEAST(2, 0) ? "2.x" : "1.13";
+
 // torch::optim keys Optimizer::state() by the parameter's TensorImpl: its address as text in
 // 1.13 (c10::guts::to_string, i.e. ostream << pointer), the pointer itself (void*) in 2.x.
 using OptimizerStateKey =
@@ -132,6 +136,34 @@ constexpr size_t kAggregateStat = static_cast<size_t>(c10::CachingAllocator::Sta
 #else
 constexpr size_t kAggregateStat = static_cast<size_t>(c10::cuda::CUDACachingAllocator::StatType::AGGREGATE);
 #endif
+
+// The memory fraction of a device's caching allocator: set in both (an int device in 1.13, a
+// DeviceIndex in 2.x); read only where the allocator has getMemoryFraction (later 2.x), else
+// taken as 1, the unset fraction.
+template <typename Allocator, typename = void>
+struct HasGetMemoryFraction : std::false_type {};
+template <typename Allocator>
+struct HasGetMemoryFraction<Allocator, std::void_t<decltype(std::declval<Allocator&>().getMemoryFraction(
+                                           c10::DeviceIndex{0}))>> : std::true_type {};
+
+template <typename Allocator>
+double memory_fraction_of(Allocator* allocator, int device) {
+  if constexpr (HasGetMemoryFraction<Allocator>::value) {
+    return allocator->getMemoryFraction(static_cast<c10::DeviceIndex>(device));
+  } else {
+    (void)allocator;
+    (void)device;
+    return 1.0;
+  }
+}
+
+inline double cuda_memory_fraction(int device) {
+  return memory_fraction_of(c10::cuda::CUDACachingAllocator::get(), device);
+}
+
+inline void set_cuda_memory_fraction(double fraction, int device) {
+  c10::cuda::CUDACachingAllocator::setMemoryFraction(fraction, static_cast<c10::DeviceIndex>(device));
+}
 
 }  // namespace memfit::compat
 #endif

@@ -4,6 +4,8 @@
 // "optimizer.lr"), the value given and what is accepted, TORCH_CHECK style:
 //   "invalid micro_batch 20: expected 0 (planned) or 1 to batch (16)"
 // A front end maps option names to its own (the CLI to its flags: "invalid --micro-batch 20: ...").
+// Other messages and notes that name an option quote it in backquotes, in the library's terms
+// ("`precision` fp32 forbids it"), so that a front end can say it in its own.
 #pragma once
 
 #include <sstream>

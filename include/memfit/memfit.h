@@ -6,9 +6,14 @@
 #include "memfit/digest.h"
 #include "memfit/errors.h"
 
-// measure/: exact bytes from the allocator, the hard budget, where the bytes go.
+// measure/: exact bytes from the allocator, the hard budget, where the bytes go, and what a
+// CUDA device would reserve (its caching allocator modelled; its budget enforced).
 #include "memfit/measure/breakdown.h"
 #include "memfit/measure/budget_allocator.h"
+#include "memfit/measure/cuda_allocator_conf.h"
+#include "memfit/measure/cuda_allocator_model.h"
+#include "memfit/measure/cuda_budget.h"
+#include "memfit/measure/cuda_reserved.h"
 #include "memfit/measure/memory_tracker.h"
 #include "memfit/measure/size.h"
 
@@ -34,7 +39,9 @@
 #include "memfit/runtime/torchscript.h"
 #include "memfit/runtime/workload.h"
 
-// plan/: profiles, the checkpoint-schedule DP, the planner, verification, per-rank state.
+// plan/: profiles, the checkpoint-schedule DP, the planner (pure search), the plan job
+// (measure, then search), verification, per-rank state.
+#include "memfit/plan/job.h"
 #include "memfit/plan/planner.h"
 #include "memfit/plan/profile.h"
 #include "memfit/plan/profile_cache.h"
@@ -42,13 +49,20 @@
 #include "memfit/plan/schedule.h"
 #include "memfit/plan/verify.h"
 
-// report/: `memfit report` and the HTML report.
+// report/: `memfit report`, the HTML report's document and the page.
+#include "memfit/report/document.h"
 #include "memfit/report/html_report.h"
 #include "memfit/report/report.h"
 
-// train/: the Trainer, data parallelism over c10d, saved state, out-of-memory recovery.
-#include "memfit/train/distributed.h"
+// train/: the Trainer and its events, the strategies over a process group (one process, ZeRO
+// 0-2, ZeRO 3), saved state, out-of-memory recovery.
+#include "memfit/train/events.h"
 #include "memfit/train/oom_recovery.h"
+#include "memfit/train/process_group.h"
 #include "memfit/train/saved_state.h"
+#include "memfit/train/single_process.h"
 #include "memfit/train/stop_signal.h"
+#include "memfit/train/strategy.h"
 #include "memfit/train/trainer.h"
+#include "memfit/train/zero_replicated.h"
+#include "memfit/train/zero_sharded.h"

@@ -1,5 +1,7 @@
 #include "commands.h"
 
+#include <unistd.h>
+
 #include <fmt/format.h>
 #include <fmt/ranges.h>
 #include <torch/torch.h>
@@ -9,10 +11,11 @@
 #include <iostream>
 #include <sstream>
 
+#include "plan_output.h"
+#include "train_output.h"
+
 namespace memfit::cli {
 namespace {
-
-std::string bytes_cell(int64_t b) { return fmt::format("{:>10}  {:>12} B", format_bytes(b), b); }
 
 void print_report_peak(const Report& r) {
   const auto& a = r.analysis;
@@ -36,6 +39,15 @@ void print_report_peak(const Report& r) {
   if (p.autocast_cache > 0) fmt::print("    of which autocast weight casts {}\n", bytes_cell(p.autocast_cache));
 }
 
+// What the run would reserve on a CUDA device, under this LibTorch's caching allocator rules.
+void print_cuda_prediction(const CudaReservedPrediction& p) {
+  if (!p.valid) return;
+  const std::string conf = p.conf_text.empty() ? "defaults" : "PYTORCH_CUDA_ALLOC_CONF=" + p.conf_text;
+  fmt::print("On a CUDA device (LibTorch {} caching allocator, {}), predicted:\n", cuda_allocator_rules_name(p.rules), conf);
+  fmt::print("  {:<18}{}\n  {:<18}{}\n", "reserved peak", bytes_cell(p.peak_reserved), "allocated peak",
+             bytes_cell(p.peak_allocated));
+}
+
 void print_report_states(const Report& r) {
   const auto& a = r.analysis;
   if (!r.options.eval_only) {
@@ -51,6 +63,7 @@ void print_report_states(const Report& r) {
       fmt::print("CUDA: allocated {}, reserved {}\n", bytes_cell(m.allocated), bytes_cell(m.reserved));
     }
   }
+  print_cuda_prediction(r.cuda);
   fmt::print("\nPeak per phase:\n");
   for (Phase ph : {Phase::kForward, Phase::kBackward, Phase::kRecompute, Phase::kOptimizer, Phase::kEval}) {
     const int64_t v = r.phase_peak[static_cast<int>(ph)];
@@ -77,44 +90,22 @@ void print_report_states(const Report& r) {
 }
 
 
-void print_plan_table(const Workload& w, const Plan& plan, const Verification* v, const nlohmann::json& j) {
-  fmt::print("{}\n", w.description);
-  fmt::print("Plan for a budget of {} ({} bytes; 3% kept free), batch {}:\n", format_bytes(plan.budget_bytes),
-             plan.budget_bytes, plan.config.batch);
-  const double plain = std::max(1e-12, plan.plain_predicted_seconds);
-  if (plan.feasible) {
-    std::vector<std::string> names;
-    for (int b : plan.config.checkpoint.recomputed_blocks()) names.push_back(w.chain->block(b).name);
-    fmt::print("  {:<28}{} x {}\n", "micro-batch x accumulation", plan.config.micro_batch_size(), plan.config.accumulation());
-    fmt::print("  {:<28}{}\n", "precision", precision_name(plan.config.precision));
-    fmt::print("  {:<28}{}{}\n", "blocks recomputed", plan.config.checkpoint.describe(),
-               names.empty() ? "" : " (" + fmt::format("{}", fmt::join(names, " ")) + ")");
-    fmt::print("  {:<28}{}\n", "optimizer", plan.config.optimizer.describe());
-    fmt::print("  {:<28}{}\n", "predicted peak", bytes_cell(plan.predicted_peak));
-    if (v != nullptr) {
-      fmt::print("  {:<28}{}  ({:+.1f}% vs predicted)\n", "measured peak", bytes_cell(v->measured_peak),
-                 100.0 * static_cast<double>(plan.predicted_peak - v->measured_peak) /
-                     static_cast<double>(std::max<int64_t>(1, v->measured_peak)));
-      fmt::print("  {:<28}{:.2f}x predicted, {:.2f}x measured\n", "step time vs plain step", plan.predicted_seconds / plain,
-                 v->measured_seconds / std::max(1e-12, v->plain_seconds));
-    } else {
-      fmt::print("  {:<28}{:.2f}x predicted\n", "step time vs plain step", plan.predicted_seconds / plain);
-    }
-  }
-  fmt::print("  {:<28}{}\n", "plain step, predicted peak", bytes_cell(plan.plain_predicted_peak));
-  fmt::print("  {:<28}{}\n", "smallest budget (floor)", bytes_cell(plan.floor_bytes));
-  fmt::print("  {} {:.2f} s, planning {:.3f} s\n",
-             j["profile_cached"].get<bool>() ? "profile read from the cache (--replan measures again) in" : "profiling",
-             j["profile_seconds"].get<double>(), j["solve_seconds"].get<double>());
-  for (const auto& n : j["notes"]) fmt::print("  note: {}\n", n.get<std::string>());
-}
-
 int64_t parse_budget(const std::string& text) {
   try {
     return parse_size(text);
   } catch (const std::invalid_argument& e) {
     throw std::invalid_argument(std::string("--budget: ") + e.what());
   }
+}
+
+// The device memory outside CUDA's caching allocator (zeros on other devices), measured before
+// the model is moved there.
+OutsideMemory outside_memory_on(const c10::Device& device) {
+  return device.is_cuda() ? measure_outside_memory(device.has_index() ? device.index() : 0) : OutsideMemory{};
+}
+
+nlohmann::json outside_json(const OutsideMemory& m) {
+  return {{"device_total", m.device_total}, {"context_and_others", m.context_and_others}, {"cublas", m.cublas}};
 }
 
 double seconds_since(std::chrono::steady_clock::time_point t0) {
@@ -135,19 +126,21 @@ int run_report_command(WorkloadFlags& wf, const StepFlags& sf, const ReportFlags
   o.eval_only = f.eval;
   o.world_size = f.world_size;
   o.zero_stage = f.zero_stage;
+  const OutsideMemory outside = outside_memory_on(o.step.device);
   w.chain->to(o.step.device);
   Report r = run_report(w, o);
   if (f.json) {
     nlohmann::json j = report_json(r);
     j["notes"] = w.notes;
+    if (o.step.device.is_cuda()) j["cuda_outside_bytes"] = outside_json(outside);
     std::cout << j.dump(2) << "\n";
   } else {
-    for (const auto& n : w.notes) fmt::print("note: {}\n", n);
+    for (const auto& n : w.notes) fmt::print("note: {}\n", in_flag_terms(n));
     print_report_peak(r);
     print_report_states(r);
   }
   if (!f.html.empty()) {
-    write_html_report(f.html, report_chart_document(r));
+    write_html_report(f.html, report_document(r).to_json());
     if (!f.json) fmt::print("\nReport: {}\n", f.html);
   }
   return 0;
@@ -155,43 +148,49 @@ int run_report_command(WorkloadFlags& wf, const StepFlags& sf, const ReportFlags
 
 int run_plan_command(WorkloadFlags& wf, const StepFlags& sf, const PlanFlags& f) {
   check_option(!f.budget.empty(), "budget", "(none)", "a budget is required, e.g. --budget 300MiB");
-  PlanRequest request;
-  request.budget_bytes = parse_budget(f.budget);
+  check_option(f.verify_steps >= 2, "verify_steps", f.verify_steps, "expected 2 or more (the first step only warms up)");
+  const int64_t budget = parse_budget(f.budget);
   Workload w = build_workload(wf);
   auto tracker = std::make_shared<MemoryTracker>();
   TrackerScope scope(tracker);
   adopt_tensors(*tracker, w.chain->parameters());
   adopt_tensors(*tracker, w.chain->buffers());
+  PlanJobOptions o;
+  o.request.budget_bytes = budget;
   // What else the budget counts (the user's data tensors): planned for, and measured with.
-  request.resident_bytes = std::max<int64_t>(0, BudgetAllocator::install().allocated() - tracker->current());
-  request.step = step_config(sf, w.chain->size());
-  request.checkpoint = pinned_checkpoint(sf.checkpoint, w.chain->size());
-  const auto precisions = precision_candidates(sf.precision, request.step.device.type());
-  w.chain->to(request.step.device);
-  const Batch batch = w.data->train_batch(0, request.step.batch, w.seed).to(request.step.device);
-  CostsSource source;
-  Planner planner = measure_and_plan(w, batch, precisions, request, *tracker, {}, profile_cache_options(sf), &source);
+  o.request.resident_bytes = std::max<int64_t>(0, BudgetAllocator::install().allocated() - tracker->current());
+  o.request.step = step_config(sf, w.chain->size());
+  o.request.checkpoint = pinned_checkpoint(sf.checkpoint, w.chain->size());
+  const OutsideMemory outside = outside_memory_on(o.request.step.device);
+  o.request.outside_bytes = outside.total();  // on CUDA it counts against the budget too
+  if (o.request.step.device.is_cuda()) o.request.resident_bytes = 0;  // the data stays in host memory
+  o.precisions = precision_candidates(sf.precision, o.request.step.device.type());
+  o.cache = profile_cache_options(sf);
+  w.chain->to(o.request.step.device);
+  const Batch batch = w.data->train_batch(0, o.request.step.batch, w.seed).to(o.request.step.device);
+  PlanJob job(w, [&batch] { return batch; }, std::move(o), *tracker);
   const auto t1 = std::chrono::steady_clock::now();
-  int timed = 0;
-  Plan plan = plan_timing_as_needed(planner, 0, [&](Precision precision, const std::vector<int64_t>& sizes,
-                                                     const TimingReference& reference) {
-    return time_plain_chain(w, batch, precision, sizes, reference, *tracker);
-  }, &timed);
+  Plan plan = job.plan();
   const double solve_s = seconds_since(t1);
-  if (timed > 0) store_costs(source, planner.measured_costs());  // the cache keeps the sizes timed
   Verification v;
   const bool verified = f.verify && plan.feasible;
-  if (verified) v = verify_plan(w, planner, plan, *tracker, /*measure_plain=*/true, &batch);
-  nlohmann::json j = verified ? verified_plan_json(plan, v) : plan_json(plan);
-  for (const auto& n : w.notes) j["notes"].push_back(n);
-  j["profile_seconds"] = source.seconds;
-  j["profile_cached"] = source.cached;
-  j["solve_seconds"] = solve_s;
-  for (const auto& n : source.notes) j["notes"].push_back(n);
+  if (verified) v = verify_plan(w, job.planner(), plan, *tracker, /*measure_plain=*/true, f.verify_steps, &batch);
+  const CostsSource& source = job.source();
+  plan.notes.insert(plan.notes.begin(), source.notes.begin(), source.notes.end());
+  plan.notes.insert(plan.notes.begin(), w.notes.begin(), w.notes.end());
   if (f.json) {
+    nlohmann::json j = verified ? verified_plan_json(plan, v) : plan_json(plan);
+    j["profile_seconds"] = source.seconds;
+    j["profile_cached"] = source.cached;
+    j["solve_seconds"] = solve_s;
+    if (plan.config.device.is_cuda()) j["cuda_outside_bytes"] = outside_json(outside);
     std::cout << j.dump(2) << "\n";
   } else {
-    print_plan_table(w, plan, verified ? &v : nullptr, j);
+    fmt::print("{}\n", w.description);
+    print_plan(plan, w.chain->block_names(), verified ? &v : nullptr,
+               fmt::format("{} {:.2f} s, planning {:.3f} s",
+                           source.cached ? "profile read from the cache (--replan measures again) in" : "profiling",
+                           source.seconds, solve_s));
   }
   if (plan.feasible) return 0;
   std::fprintf(stderr, "memfit: budget %s is below the floor: the smallest budget any plan reaches is %s (%lld bytes)\n",
@@ -210,18 +209,15 @@ int run_train_command(WorkloadFlags& wf, const StepFlags& sf, TrainFlags& f) {
       throw std::invalid_argument(std::string("--inject-oom: ") + e.what());
     }
   }
+  check_option(f.progress_every >= 0, "progress_every", f.progress_every, "expected >= 0 (0: about 20 lines a run)");
   Workload w = build_workload(wf);
-  const StepConfig fixed = step_config(sf, w.chain->size());
-  o.batch = fixed.batch;
-  o.micro_batch = fixed.micro_batch;
-  o.keep_grads = !fixed.set_to_none;
-  o.device = fixed.device;
-  o.optimizer = fixed.optimizer;
-  o.precision = sf.precision;
-  o.checkpoint = pinned_checkpoint(sf.checkpoint, w.chain->size());
+  o.step = step_config(sf, w.chain->size());
+  o.pin_precision = sf.precision != "auto";
+  o.pin_checkpoint = sf.checkpoint != "auto";
   o.profile_cache = profile_cache_options(sf);
+  TrainOutput output({f.progress, f.progress_every, f.progress && isatty(fileno(stdout)) != 0});
   StopOnSignals stop_on_ctrl_c;  // the first Ctrl-C finishes the step, saves and summarizes
-  const TrainSummary summary = train(w, o, std::cout);
+  const TrainSummary summary = train(w, o, output);
   return summary.interrupted ? 130 : 0;
 }
 

@@ -21,12 +21,15 @@ struct PlanFlags {
   std::string budget;
   bool json = false;
   bool verify = true;
+  int verify_steps = 3;
 };
 
 struct TrainFlags {
   TrainOptions options;
   std::string budget;
   std::string inject_oom;
+  bool progress = true;
+  int64_t progress_every = 0;  // not on a terminal: a line every K steps (0: about 20 lines a run)
 };
 
 int run_report_command(WorkloadFlags& workload, const StepFlags& step, const ReportFlags& flags);

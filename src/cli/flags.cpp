@@ -140,7 +140,10 @@ StepConfig step_config(const StepFlags& f, int blocks) {
   return c;
 }
 
-std::string flag_message(const OptionError& e) {
+namespace {
+
+// Library option names (errors.h) and the flags that set them.
+const std::map<std::string, std::string>& flag_names() {
   static const std::map<std::string, std::string> flags = {
       {"batch", "--batch"}, {"micro_batch", "--micro-batch"}, {"precision", "--precision"},
       {"checkpoint", "--checkpoint"}, {"steps", "--steps"}, {"budget", "--budget"}, {"device", "--device"},
@@ -153,10 +156,34 @@ std::string flag_message(const OptionError& e) {
       {"distributed.world_size", "--world-size"}, {"distributed.rank", "--rank"}, {"distributed.master", "--master"},
       {"distributed.timeout", "--dist-timeout"}, {"save_every", "--save-every"}, {"eval_every", "--eval-every"}, {"progress_every", "--progress-every"},
       {"eval_batches", "--eval-batches"}, {"inject_oom", "--inject-oom"}, {"json_log", "--json-log"},
-      {"dump_weights", "--dump-weights"}, {"data", "--data"}, {"loss", "--loss"}};
+      {"dump_weights", "--dump-weights"}, {"data", "--data"}, {"loss", "--loss"}, {"save_dir", "--save"},
+      {"resume_dir", "--resume"}, {"report_html", "--report"}, {"profile_cache", "--profile-cache"},
+      {"verify_steps", "--verify-steps"}};
+  return flags;
+}
+
+}  // namespace
+
+std::string flag_message(const OptionError& e) {
+  const auto& flags = flag_names();
   const auto it = flags.find(e.option());
   if (it == flags.end()) return e.what();
   return "invalid " + it->second + " " + e.value() + ": " + e.expected();
+}
+
+std::string in_flag_terms(const std::string& text) {
+  std::string out;
+  for (size_t i = 0; i < text.size();) {
+    const size_t open = text.find('`', i), close = open == std::string::npos ? open : text.find('`', open + 1);
+    if (close == std::string::npos) {
+      out += text.substr(i);
+      break;
+    }
+    const auto it = flag_names().find(text.substr(open + 1, close - open - 1));
+    out += text.substr(i, open - i) + (it != flag_names().end() ? it->second : text.substr(open, close - open + 1));
+    i = close + 1;
+  }
+  return out;
 }
 
 }  // namespace memfit::cli

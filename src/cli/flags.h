@@ -59,5 +59,8 @@ std::optional<CheckpointPlan> pinned_checkpoint(const std::string& spec, int blo
 
 // An OptionError said with the CLI's flag name: "invalid --micro-batch 32: expected ...".
 std::string flag_message(const OptionError& error);
+// A library message or note with each backquoted option name (errors.h) said as its flag:
+// "`precision` fp32 forbids it" -> "--precision fp32 forbids it".
+std::string in_flag_terms(const std::string& text);
 
 }  // namespace memfit::cli

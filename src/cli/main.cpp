@@ -49,6 +49,8 @@ CLI::App* add_plan(CLI::App& app, WorkloadFlags& w, StepFlags& s, PlanFlags& f) 
   cmd->add_option("--budget", f.budget, "memory budget: 512MiB, 1.5GiB, 800MB, 1e9 or bytes")->required();
   cmd->add_flag("--json", f.json, "JSON output");
   cmd->add_flag("!--no-verify", f.verify, "predict only; do not run real steps");
+  cmd->add_option("--verify-steps", f.verify_steps, "real steps that verify the plan (the first warms up)")
+      ->capture_default_str();
   return cmd;
 }
 
@@ -67,8 +69,8 @@ CLI::App* add_train(CLI::App& app, WorkloadFlags& w, StepFlags& s, TrainFlags& f
   cmd->add_option("--inject-oom", f.inject_oom, "steps (from 1) whose first micro-batch fails once, e.g. 3,7");
   cmd->add_option("--json-log", o.json_log, "write JSON lines (plan, steps, summary) to this file");
   cmd->add_option("--report", o.report_html, "HTML report of the last step")->capture_default_str();
-  cmd->add_flag("!--no-progress", o.progress, "no progress lines");
-  cmd->add_option("--progress-every", o.progress_every,
+  cmd->add_flag("!--no-progress", f.progress, "no progress lines");
+  cmd->add_option("--progress-every", f.progress_every,
                   "not on a terminal: a progress line every K steps (0: about 20 lines a run)")
       ->capture_default_str();
   cmd->add_option("--world-size", o.distributed.world_size, "data-parallel ranks (memfit launch sets it)")->capture_default_str();
@@ -149,7 +151,7 @@ void refuse_empty_numbers(CLI::App& app) {
 void print_error(const std::string& message) {
   const std::string prefix = "memfit: ";
   const std::string text = message.rfind(prefix, 0) == 0 ? message.substr(prefix.size()) : message;
-  std::fprintf(stderr, "memfit: %s\n", printable(error_cause(text)).c_str());
+  std::fprintf(stderr, "memfit: %s\n", in_flag_terms(printable(error_cause(text))).c_str());
 }
 
 // Runs the parsed subcommand; library errors become one line (flag names for bad options).
@@ -175,16 +177,16 @@ int dispatch(const std::function<int()>& command) {
 
 int main(int argc, char** argv) {
   // OpenMP threads that spin while they wait take the cores the work needs on small machines,
-  // and make every time the planner measures noisy (on 2 cores a plan's predicted step time was
-  // 0.39x and measured 1.66x; with passive waiting 1.35x and 1.34x). libgomp reads the policy
+  // and make every time the planner measures noisy (a plan's predicted step time off by a
+  // factor of four on 2 cores; with passive waiting, within a few percent). libgomp reads the policy
   // only when it is loaded, so memfit restarts itself once with it set, unless the user chose.
   if (std::getenv("OMP_WAIT_POLICY") == nullptr && setenv("OMP_WAIT_POLICY", "PASSIVE", 1) == 0) {
     execv("/proc/self/exe", argv);  // returns only on failure: then run on as we are
   }
   // Freed tensor memory stays in this process (as a GPU caching allocator keeps it) instead of
-  // going back to the kernel and being page-faulted in again on the next step: on 2 cores that
-  // took up to a third of a step as system time. Allocated bytes, which memfit counts and
-  // budgets, are unchanged. (bench/quiet_env.sh sets the same for both sides of benchmarks.)
+  // going back to the kernel and being page-faulted in again on the next step: on small
+  // machines that costs up to a third of a step as system time. Allocated bytes, which memfit counts and
+  // budgets, are unchanged. (bench/harness/quiet_env.sh sets the same for both sides of benchmarks.)
   mallopt(M_MMAP_THRESHOLD, 1 << 30);
   mallopt(M_TRIM_THRESHOLD, std::numeric_limits<int>::max());
   // First thing: every tensor from here on goes through memfit's allocator (no budget yet),

@@ -232,4 +232,10 @@ StepAnalysis analyze_step(const MemoryTracker& tracker, const KnownStorage& know
   return std::move(r.out);
 }
 
+nlohmann::json categories_json(const Categories& c) {
+  return {{"weights", c.weights},         {"buffers", c.buffers},             {"gradients", c.gradients},
+          {"optimizer_state", c.optimizer_state}, {"activations", c.activations},
+          {"other", c.other},             {"autocast_cache", c.autocast_cache}};
+}
+
 }  // namespace memfit

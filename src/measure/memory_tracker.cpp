@@ -47,7 +47,7 @@ void MemoryTracker::reportMemoryUsage(void* ptr, int64_t alloc_size, compat::Rep
   std::lock_guard<std::mutex> lock(mutex_);
   int64_t delta = alloc_size;
   if (alloc_size > 0) {
-    live_[ptr] = Live{alloc_size, dev};
+    live_[ptr] = Live{alloc_size, dev, next_order_++};
     ++allocations_;
   } else {
     // A free of something allocated before this tracker existed is not ours to count.
@@ -68,7 +68,8 @@ void MemoryTracker::reportMemoryUsage(void* ptr, int64_t alloc_size, compat::Rep
 void MemoryTracker::adopt(const void* ptr, int64_t bytes, MemoryDevice device) {
   if (ptr == nullptr || bytes <= 0) return;
   std::lock_guard<std::mutex> lock(mutex_);
-  if (!live_.emplace(ptr, Live{bytes, device}).second) return;  // known already
+  if (!live_.emplace(ptr, Live{bytes, device, next_order_}).second) return;  // known already
+  ++next_order_;
   const int d = static_cast<int>(device);
   current_[d] += bytes;
   note_live_locked(device);
@@ -153,9 +154,7 @@ void MemoryTracker::start_recording() {
   std::lock_guard<std::mutex> lock(mutex_);
   events_.clear();
   marks_.clear();
-  live_at_start_.clear();
-  live_at_start_.reserve(live_.size());
-  for (const auto& [ptr, live] : live_) live_at_start_.push_back({ptr, live.bytes, live.device});
+  live_at_start_ = live_in_order_locked();
   t0_ = std::chrono::steady_clock::now();
   recording_ = true;
   marks_.push_back(PhaseMark{0, 0, phase_});
@@ -173,9 +172,17 @@ bool MemoryTracker::recording() const {
 
 std::vector<LiveAllocation> MemoryTracker::live_allocations() const {
   std::lock_guard<std::mutex> lock(mutex_);
+  return live_in_order_locked();
+}
+
+std::vector<LiveAllocation> MemoryTracker::live_in_order_locked() const {
+  std::vector<std::pair<int64_t, LiveAllocation>> ordered;
+  ordered.reserve(live_.size());
+  for (const auto& [ptr, live] : live_) ordered.push_back({live.order, {ptr, live.bytes, live.device}});
+  std::sort(ordered.begin(), ordered.end(), [](const auto& a, const auto& b) { return a.first < b.first; });
   std::vector<LiveAllocation> out;
-  out.reserve(live_.size());
-  for (const auto& [ptr, live] : live_) out.push_back({ptr, live.bytes, live.device});
+  out.reserve(ordered.size());
+  for (const auto& [order, a] : ordered) out.push_back(a);
   return out;
 }
 

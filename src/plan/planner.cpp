@@ -122,7 +122,7 @@ std::vector<std::pair<Precision, int64_t>> Planner::untimed_rival_sizes(const Pl
   };
   add(plan);
   if (!plan.feasible) return out;
-  const auto usable = static_cast<int64_t>(static_cast<double>(plan.budget_bytes) * (1.0 - request_.margin));
+  const auto usable = usable_bytes(plan.budget_bytes);
   const OptimizerCost& optimizer = optimizer_cost(plan.config.optimizer.state);
   for (const auto& pp : profile_.precisions) {
     const int64_t largest_timed = pp.chain_seconds.empty() ? 0 : pp.chain_seconds.back().micro_batch;
@@ -175,27 +175,6 @@ TimingReference Planner::timing_reference(Precision precision) const {
   return {p.precision, p.chain_seconds.front()};
 }
 
-Plan plan_timing_as_needed(Planner& planner, int64_t budget_bytes, const ChainTimer& time_chain, int* timed) {
-  int count = 0;
-  Plan plan = planner.plan(budget_bytes);
-  // Each round times at least one size: the sizes a plan can run are finite.
-  const auto untimed = [&] { return planner.untimed_rival_sizes(plan, kRivalSlack, kExtrapolatedRivalSlack); };
-  for (auto sizes = untimed(); !sizes.empty() && time_chain; sizes = untimed()) {
-    for (const auto& profile : planner.profile().precisions) {  // each precision's sizes timed together
-      std::vector<int64_t> ms;
-      for (const auto& [precision, m] : sizes) {
-        if (precision == profile.precision) ms.push_back(m);
-      }
-      if (ms.empty()) continue;
-      const std::vector<double> seconds = time_chain(profile.precision, ms, planner.timing_reference(profile.precision));
-      for (size_t i = 0; i < ms.size(); ++i) planner.add_chain_seconds(profile.precision, ms[i], seconds[i]);
-    }
-    count += static_cast<int>(sizes.size());
-    plan = planner.plan(budget_bytes);
-  }
-  if (timed != nullptr) *timed = count;
-  return plan;
-}
 
 ChainCosts Planner::costs_at(int64_t m, const PrecisionProfile& p, const OptimizerCost& optimizer) const {
   ChainCosts c = block_costs_at(p, m);
@@ -272,6 +251,7 @@ Schedule Planner::uniform(int64_t m, int segments) const {
 Plan Planner::prediction_base(int64_t budget) const {
   Plan p;
   p.budget_bytes = budget;
+  p.margin = request_.margin;
   p.config = request_.step;
   p.baseline_precision = profile_.precisions.front().precision;
   p.config.precision = p.baseline_precision;
@@ -297,7 +277,7 @@ Plan Planner::evaluate(int64_t m, Precision precision, const CheckpointPlan& che
   p.predicted_peak = std::max(evaluate_schedule(costs_at(m, pp, optimizer), checkpoint.segments).peak_bytes,
                               optimizer_peak(optimizer));
   p.predicted_seconds = step_seconds(m, pp, checkpoint.segments, optimizer);
-  const auto usable = static_cast<int64_t>(static_cast<double>(budget) * (1.0 - request_.margin));
+  const auto usable = usable_bytes(budget);
   p.feasible = p.predicted_peak <= usable;
   return p;
 }
@@ -314,7 +294,14 @@ int64_t Planner::floor_bytes() const {
       smallest = std::min(smallest, std::max(s, optimizer_peak(*optimizer)));
     }
   }
-  return static_cast<int64_t>(std::ceil(static_cast<double>(smallest) / (1.0 - request_.margin)));
+  return static_cast<int64_t>(std::ceil(static_cast<double>(smallest) * request_.reserved_per_allocated /
+                                        (1.0 - request_.margin))) +
+         request_.outside_bytes;
+}
+
+int64_t Planner::usable_bytes(int64_t budget) const {
+  const double allocator_share = static_cast<double>(budget - request_.outside_bytes) / request_.reserved_per_allocated;
+  return static_cast<int64_t>(allocator_share * (1.0 - request_.margin));
 }
 
 std::vector<int64_t> Planner::candidate_sizes() const {
@@ -376,7 +363,7 @@ void Planner::explain_choice(Plan& p, const std::vector<Plan>& best_of) const {
   }
   if (best_of.size() > 1 && p.config.precision != p.baseline_precision) {
     p.notes.push_back(std::string("precision ") + chosen +
-                      " chosen: mixed precision measured faster on this device (pass --precision fp32 to forbid it)");
+                      " chosen: mixed precision measured faster on this device (`precision` fp32 forbids it)");
   }
 }
 
@@ -420,14 +407,14 @@ void Planner::explain_state_choice(Plan& p, const std::vector<Plan>& best_with, 
   char buf[200];
   std::snprintf(buf, sizeof buf, "optimizer state %s chosen: its best plan is predicted %.2fx the time of %s state's, optimizer step included",
                 state.c_str(), p.predicted_seconds / best_with.front().predicted_seconds, base_name.c_str());
-  p.notes.push_back(buf + bytes + " (pass --optimizer-state fp32 to forbid it)");
+  p.notes.push_back(buf + bytes + " (`optimizer.state` fp32 forbids it)");
 }
 
 Plan Planner::plan(int64_t budget) const {
   if (budget <= 0) budget = request_.budget_bytes;
   Plan p = prediction_base(budget);
   p.notes = profile_.notes;
-  const auto usable = static_cast<int64_t>(static_cast<double>(budget) * (1.0 - request_.margin));
+  const auto usable = usable_bytes(budget);
   // The best plan with each optimizer state; the first (the spec's, fp32 under auto) is kept
   // unless another fits when it does not, or is faster (within 1%) with its optimizer step.
   const auto candidates = optimizer_candidates();
@@ -458,6 +445,7 @@ Plan Planner::plan(int64_t budget) const {
 nlohmann::json plan_json(const Plan& p) {
   const double plain = p.plain_predicted_seconds > 0 ? p.plain_predicted_seconds : 1;
   return {{"budget_bytes", p.budget_bytes},
+          {"margin", p.margin},
           {"feasible", p.feasible},
           {"floor_bytes", p.floor_bytes},
           {"config", p.feasible ? step_config_json(p.config) : nlohmann::json(nullptr)},
@@ -474,6 +462,7 @@ Plan plan_from_json(const nlohmann::json& j, int blocks) {
   namespace jf = json_fields;
   Plan p;
   p.budget_bytes = jf::integer(j, "budget_bytes");
+  p.margin = jf::number(j, "margin");
   p.feasible = jf::boolean(j, "feasible");
   p.floor_bytes = jf::integer(j, "floor_bytes");
   if (p.feasible) p.config = step_config_from_json(jf::field(j, "config"), blocks);
@@ -492,16 +481,5 @@ Plan plan_from_json(const nlohmann::json& j, int blocks) {
   return p;
 }
 
-Planner measure_and_plan(Workload& w, const Batch& batch, const std::vector<Precision>& precisions, PlanRequest request,
-                         MemoryTracker& tracker, std::vector<at::Tensor> optimized, const ProfileCacheOptions& cache,
-                         CostsSource* source) {
-  if (optimized.empty()) optimized = w.chain->parameters();
-  CostsSource ignored;
-  MeasuredCosts costs = measure_costs(w, batch, precisions, request.step.optimizer, optimized, tracker, cache,
-                                      source != nullptr ? *source : ignored);
-  request.optimizer = costs.optimizer.front();
-  request.optimizer_alternatives.assign(costs.optimizer.begin() + 1, costs.optimizer.end());
-  return Planner(std::move(costs.profile), std::move(request));
-}
 
 }  // namespace memfit

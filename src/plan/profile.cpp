@@ -33,8 +33,8 @@ struct RunSize {
 // Forward + backward of the plain chain (or with every block recomputed) on the first m
 // samples: its seconds, and its peak above the live bytes at its start. Gradients are left
 // in place between runs, as between a step's micro-batches: all but a step's first
-// micro-batch add into gradients already there (GPT 8x256 bf16, one sample: 0.080 s against
-// 0.070 s with none), so a micro-batch smaller than the batch is timed accumulating.
+// micro-batch add into gradients already there, which takes measurably longer than writing
+// fresh ones, so a micro-batch smaller than the batch is timed accumulating.
 struct ChainRun {
   Workload& workload;
   const Batch& batch;
@@ -72,8 +72,8 @@ struct ChainRun {
   // A first run of each size as in a step, paying for first use (oneDNN builds kernels per
   // shape). A first run of kMinTimedSeconds or more is kept as the size's first timed run:
   // what first use adds (milliseconds of kernel builds) is small beside it, and a first run
-  // slower than the rest is outvoted by the median. Whole batches here take 1.5 s a run (the
-  // default GPT on an AMD EPYC), and a wasted one was a sixth of planning.
+  // slower than the rest is outvoted by the median. A whole batch may take seconds a run, and
+  // throwing one away would be a large share of planning.
   std::vector<std::vector<double>> first_uses(const std::vector<RunSize>& sizes) {
     ensure_gradients();
     std::vector<std::vector<double>> kept(sizes.size());
@@ -86,13 +86,12 @@ struct ChainRun {
   // The median of an odd number of runs as in a step of each size, each having run before
   // (the first run at a new size pays for first use: oneDNN builds kernels per shape), their
   // runs alternating: a typical run's time, as a step's median is, and a burst of slowness
-  // (seconds long on the 2-core machines here) falls on every size alike, not on one. Every
-  // timed point takes this one statistic: a fastest-of-two point beside medians looked faster
-  // than its neighbours on a machine whose noise only slows runs, and plans drifted to its size
-  // (session 8). A size runs three times, and more (up to kMaxTimedRuns) until its runs add up
-  // to kMinTimedSeconds: a short run meets the machine's hiccups as often as a long one but
-  // weighs them more (the CNN's 2 samples, 20 ms a run, timed 8% faster per sample than 8 once
-  // in a plan's timing and 10% slower in most; 2 x 8 was planned, and ran 1.11x 8 x 2).
+  // (seconds long on a small shared machine) falls on every size alike, not on one. Every
+  // timed point takes this one statistic: a fastest-of-two point beside medians looks faster
+  // than its neighbours on a machine whose noise only slows runs, and draws plans to its size.
+  // A size runs three times, and more (up to kMaxTimedRuns) until its runs add up to
+  // kMinTimedSeconds: a short run meets the machine's hiccups as often as a long one but weighs
+  // them more, and one fast timing of a tiny micro-batch would draw plans to it.
   static constexpr size_t kMinTimedRuns = 3;
   static constexpr size_t kMaxTimedRuns = 9;
   static constexpr double kMinTimedSeconds = 0.25;
@@ -137,7 +136,7 @@ std::pair<int64_t, int64_t> profiled_sizes(int64_t batch) {
 // The time model's points at a and b (see profile.h), both having run before (b first): the
 // median of three or more runs as in a step each, alternating.
 // Above b, a CPU's time starts as the line continued: a first guess, timed when a plan would
-// run such a size (the planner's plan_timing_as_needed). Elsewhere (a GPU's occupancy bends
+// run such a size (plan_timing_as_needed, job.h). Elsewhere (a GPU's occupancy bends
 // the line) the whole batch runs once with every block recomputed (little memory), and the
 // forward without grad that recomputing adds (its share measured on the blocks at b) is taken
 // out again.
@@ -499,16 +498,17 @@ ChainProfile profile_chain(Workload& w, const Batch& batch, int64_t m, Precision
 namespace {
 
 // A mixed precision that runs this many times slower than the baseline is not profiled: on a
-// CPU without bf16 instructions (AMD EPYC here) bf16 autocast ran the default GPT 17x slower
-// than fp32, and profiling it took 48 of 54 s; no plan of it can be the fastest while the
-// baseline fits (recomputing everything costs well under 3x).
+// CPU without bf16 instructions bf16 autocast runs many times slower than fp32, and profiling
+// it would take most of planning; no plan of it can be the fastest while the baseline fits
+// (recomputing everything costs well under 3x).
 constexpr double kSlowPrecisionRatio = 3.0;
 
 // How many times slower `precision` runs the baseline's heaviest block (by its forward +
 // backward at half the batch) than the baseline does, on one sample, each warm: the best of
-// two runs after a first use. One sample of one block costs little even where the precision
-// is slow; tiny shapes weigh per-call costs more, which only brings the ratio nearer 1 (so a
-// precision is profiled in doubt).
+// three runs after a first use, the two precisions alternating (a busy spell on a shared
+// machine must not fall on one of them only). One sample of one
+// block costs little even where the precision is slow; tiny shapes weigh per-call costs more,
+// which only brings the ratio nearer 1 (so a precision is profiled in doubt).
 struct Slowdown {
   double ratio = 1.0;
   int block = 0;
@@ -528,17 +528,17 @@ Slowdown probe_slowdown(Workload& w, const Batch& batch, const PrecisionProfile&
     Autocast autocast(x.device().type(), baseline.precision);
     x = w.chain->run_blocks(x, 0, i - 1);
   }
-  const auto best_of_two = [&](Precision p) {
-    run_block(w, i, x, one.target, p, tracker);  // first use
-    double best = std::numeric_limits<double>::infinity();
-    for (int run = 0; run < 2; ++run) {
-      const BlockCost c = run_block(w, i, x, one.target, p, tracker).cost;
-      best = std::min(best, c.forward_seconds + c.backward_seconds);
-    }
-    return best;
+  const auto seconds = [&](Precision p) {
+    const BlockCost c = run_block(w, i, x, one.target, p, tracker).cost;
+    return c.forward_seconds + c.backward_seconds;
   };
-  const double base = best_of_two(baseline.precision);
-  const double slow = best_of_two(precision);
+  seconds(baseline.precision);  // first uses
+  seconds(precision);
+  double base = std::numeric_limits<double>::infinity(), slow = base;
+  for (int run = 0; run < 3; ++run) {  // alternating: a busy spell slows both alike
+    base = std::min(base, seconds(baseline.precision));
+    slow = std::min(slow, seconds(precision));
+  }
   restore_rng(rng);
   return {base > 0 ? slow / base : 1.0, i};
 }
@@ -549,7 +549,7 @@ std::string slow_precision_note(const Workload& w, const Slowdown& slow, Precisi
   return std::string(precision_name(precision)) + " not considered: it ran " + ratio + " slower than " +
          precision_name(baseline) + " here (block " + std::to_string(slow.block) + " " + w.chain->block(slow.block).name +
          ", one sample; over " + std::to_string(static_cast<int>(kSlowPrecisionRatio)) +
-         "x: too slow to be the fastest); --precision " + precision_name(precision) + " plans with it alone";
+         "x: too slow to be the fastest); `precision` " + precision_name(precision) + " plans with it alone";
 }
 
 }  // namespace

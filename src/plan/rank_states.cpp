@@ -90,4 +90,13 @@ std::vector<RankStateBytes> predicted_rank_states(const std::vector<at::Tensor>&
   return ranks;
 }
 
+nlohmann::json ranks_json(const std::vector<RankStateBytes>& ranks) {
+  nlohmann::json a = nlohmann::json::array();
+  for (size_t r = 0; r < ranks.size(); ++r) {
+    a.push_back({{"rank", static_cast<int>(r)}, {"weights", ranks[r].weights}, {"gradients", ranks[r].gradients},
+                 {"optimizer_state", ranks[r].optimizer_state}});
+  }
+  return a;
+}
+
 }  // namespace memfit

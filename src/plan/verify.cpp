@@ -4,10 +4,13 @@
 
 #include <algorithm>
 #include <chrono>
+#include <optional>
 
+#include "memfit/errors.h"
 #include "memfit/measure/budget_allocator.h"
 #include "memfit/measure/size.h"
 #include "memfit/runtime/step.h"
+#include "memfit/techniques/cache.h"
 #include "memfit/techniques/grads.h"
 
 namespace memfit {
@@ -15,28 +18,123 @@ namespace {
 
 using Clock = std::chrono::steady_clock;
 
-// Three steps of `config` with a fresh optimizer; the second and third are in steady state
-// (optimizer state exists): their best time, and their peak into *peak.
-double run_steps(Workload& w, const Batch& data, const StepConfig& config, MemoryTracker& tracker, int64_t* peak) {
+// `steps` steps of `config` with a fresh optimizer; from the second on they are in steady state
+// (optimizer state exists): their best time, and their peak on `device` into *peak.
+double run_steps(Workload& w, const Batch& data, const StepConfig& config, MemoryTracker& tracker, int steps,
+                 MemoryDevice device, int64_t* peak) {
   auto optimizer = make_optimizer(config.optimizer, w.chain->parameters());
   double best = 1e30;
-  for (int step = 1; step <= 3; ++step) {
+  for (int step = 1; step <= steps; ++step) {
     tracker.reset_peak();
     const auto t0 = Clock::now();
     train_step(w, *optimizer, data, StepOptions{config});
     const double s = std::chrono::duration<double>(Clock::now() - t0).count();
     if (step < 2) continue;
     best = std::min(best, s);
-    if (peak) *peak = std::max(*peak, tracker.peak());
+    if (peak) *peak = std::max(*peak, tracker.peak(device));
   }
   return best;
+}
+
+struct Attempt {
+  bool oom = false;
+  int64_t peak = 0;
+  double seconds = 0;
+  AllocationTrace trace;
+  CudaAllocatorCounters at_start, counters;  // on CUDA: the allocator's, before and after the steps
+  int64_t cuda_limit = 0;
+};
+
+// The plan's steps under its budget: the CPU allocator's, and on CUDA the allocator's fraction
+// (from an emptied cache, so that what is measured is this plan's).
+Attempt run_under_budget(Workload& w, const Batch& data, const Plan& plan, const PlanRequest& request,
+                         MemoryTracker& tracker, int steps, MemoryDevice device) {
+  Attempt a;
+  const int cuda_device = plan.config.device.has_index() ? plan.config.device.index() : 0;
+  std::optional<CudaMemoryFractionGuard> cap;
+  if (device == MemoryDevice::kCUDA) {
+    empty_cache();
+    cap.emplace(plan.budget_bytes - request.outside_bytes, cuda_device);
+    a.cuda_limit = cap->limit_bytes();
+    reset_cuda_allocator_counters(cuda_device);
+    a.at_start = cuda_allocator_counters(cuda_device);
+  }
+  BudgetGuard budget(plan.budget_bytes);
+  tracker.start_recording();
+  try {
+    a.seconds = run_steps(w, data, plan.config, tracker, steps, device, &a.peak);
+  } catch (const c10::OutOfMemoryError&) {
+    a.oom = true;
+    zero_grad(w.chain->parameters(), true);
+  }
+  tracker.stop_recording();
+  a.trace = recorded_trace(tracker);
+  if (device == MemoryDevice::kCUDA) a.counters = cuda_allocator_counters(cuda_device);
+  return a;
+}
+
+// On CUDA: the plan again, its allocated peak held to what the budget leaves once the reserved /
+// allocated relation of the steps just run (the model's replay, at least the measured one) applies.
+Plan replan_with_relation(const Planner& planner, const Plan& plan, const Attempt& a, int attempt) {
+  CudaPredictionOptions unlimited = cuda_prediction_options_from_env();
+  const CudaReservedPrediction p = predict_cuda_reserved(a.trace, MemoryDevice::kCUDA, unlimited);
+  const auto ratio = [](int64_t reserved, int64_t allocated) {
+    return allocated > 0 ? static_cast<double>(reserved) / static_cast<double>(allocated) : 1.0;
+  };
+  PlanRequest request = planner.request();
+  request.reserved_per_allocated =
+      std::max({request.reserved_per_allocated, ratio(p.peak_reserved, p.peak_allocated),
+                ratio(a.counters.peak_reserved, a.counters.peak_allocated)}) *
+      (1.0 + 0.05 * (attempt - 1));  // and 5% more each further attempt
+  Plan again = Planner(planner.profile(), request).plan(plan.budget_bytes);
+  again.notes.insert(again.notes.begin(), "planned again with reserved = " + std::to_string(request.reserved_per_allocated) +
+                                              " x allocated (the verified steps' relation)");
+  return again;
+}
+
+// The tighter plan after an attempt that did not hold the budget, or an infeasible plan.
+Plan tighter_plan(const Planner& planner, const Plan& plan, const Attempt& a, int attempt, MemoryDevice device,
+                  std::vector<std::string>& notes) {
+  if (device == MemoryDevice::kCUDA) {
+    notes.push_back(a.oom ? "the CUDA allocator ran out of memory under the budget's fraction: planned again"
+                          : "the CUDA allocator freed its cache and retried under the budget's fraction: planned again");
+    return replan_with_relation(planner, plan, a, attempt);
+  }
+  // Plan for a smaller budget (5% less each time) and try again.
+  const int64_t tighter = static_cast<int64_t>(static_cast<double>(plan.budget_bytes) * (1.0 - 0.05 * attempt));
+  notes.push_back("measured peak exceeded the budget: planned again for " + format_bytes(tighter));
+  Plan again = planner.plan(tighter);
+  again.budget_bytes = plan.budget_bytes;
+  return again;
+}
+
+// On CUDA, before the plan's first run: the plain steps' reserved/allocated relation (replayed)
+// applied to the plan, when it is more than the request assumed.
+Plan plan_for_relation(const Planner& planner, const Plan& plan, const AllocationTrace& plain,
+                       std::vector<std::string>& notes) {
+  const CudaReservedPrediction p = predict_cuda_reserved(plain, MemoryDevice::kCUDA, cuda_prediction_options_from_env());
+  if (p.peak_allocated <= 0) return plan;
+  PlanRequest request = planner.request();
+  const double relation = static_cast<double>(p.peak_reserved) / static_cast<double>(p.peak_allocated);
+  if (relation <= request.reserved_per_allocated) return plan;
+  request.reserved_per_allocated = relation;
+  Plan again = Planner(planner.profile(), request).plan(plan.budget_bytes);
+  if (!again.feasible) return plan;
+  notes.push_back("planned with reserved = " + std::to_string(relation) +
+                  " x allocated on CUDA (the plain step's allocations replayed on the caching allocator)");
+  return again;
 }
 
 }  // namespace
 
 Verification verify_plan(Workload& w, const Planner& planner, Plan& plan, MemoryTracker& tracker, bool measure_plain,
-                         const Batch* batch) {
+                         int steps, const Batch* batch) {
+  check_option(steps >= 2, "verify_steps", steps, "expected 2 or more (the first step only warms up)");
   Verification v;
+  v.steps = steps;
+  const CudaPredictionOptions cuda_options = cuda_prediction_options_from_env();
+  const MemoryDevice device = memory_device_of(plan.config.device);
+  v.on_cuda = device == MemoryDevice::kCUDA;
   BudgetAllocator::install();
   const Batch data = batch != nullptr ? *batch : w.data->train_batch(0, plan.config.batch, w.seed).to(plan.config.device);
   if (measure_plain) {
@@ -44,31 +142,32 @@ Verification verify_plan(Workload& w, const Planner& planner, Plan& plan, Memory
     plain.micro_batch = 0;
     plain.precision = plan.baseline_precision;
     plain.checkpoint = CheckpointPlan::none();
-    v.plain_seconds = run_steps(w, data, plain, tracker, nullptr);
+    tracker.start_recording();
+    v.plain_seconds = run_steps(w, data, plain, tracker, 3, device, nullptr);
+    tracker.stop_recording();
+    if (v.on_cuda) plan = plan_for_relation(planner, plan, recorded_trace(tracker), v.notes);
   }
   for (;; ++v.attempts) {
-    int64_t peak = 0;
-    bool oom = false;
-    {
-      BudgetGuard budget(plan.budget_bytes);
-      try {
-        v.measured_seconds = run_steps(w, data, plan.config, tracker, &peak);
-      } catch (const c10::OutOfMemoryError&) {
-        oom = true;
-        zero_grad(w.chain->parameters(), true);
-      }
+    const Attempt a = run_under_budget(w, data, plan, planner.request(), tracker, steps, device);
+    v.measured_seconds = a.seconds;
+    v.measured_peak = a.peak > 0 ? a.peak + planner.request().resident_bytes : 0;  // the budget counts them too
+    CudaPredictionOptions capped = cuda_options;
+    capped.limit_bytes = a.cuda_limit;
+    if (v.on_cuda) {
+      capped.reserved_at_start = a.at_start.reserved;
+      capped.allocated_at_start = a.at_start.allocated;
     }
-    v.measured_peak = peak > 0 ? peak + planner.request().resident_bytes : 0;  // the budget counts them too
-    if (!oom || v.attempts >= 3) {
-      if (oom) v.notes.push_back("the plan still ran out of memory after 3 attempts");
+    v.cuda = predict_cuda_reserved(a.trace, device, capped);
+    v.cuda_measured = a.counters;
+    v.cuda_limit_bytes = a.cuda_limit;
+    const bool held = !a.oom && !(v.on_cuda && a.counters.num_alloc_retries > 0);
+    if (held || v.attempts >= 3) {
+      if (a.oom) v.notes.push_back("the plan still ran out of memory after 3 attempts");
+      if (!a.oom && !held) v.notes.push_back("the CUDA allocator still retried after 3 attempts");
       break;
     }
-    // Tighten: plan for a smaller budget (5% less each time) and try again.
-    const int64_t tighter = static_cast<int64_t>(static_cast<double>(plan.budget_bytes) * (1.0 - 0.05 * v.attempts));
-    Plan again = planner.plan(tighter);
-    v.notes.push_back("measured peak exceeded the budget: planned again for " + format_bytes(tighter));
+    Plan again = tighter_plan(planner, plan, a, v.attempts, device, v.notes);
     if (!again.feasible) break;
-    again.budget_bytes = plan.budget_bytes;
     plan = again;
   }
   return v;
@@ -80,8 +179,16 @@ nlohmann::json verified_plan_json(const Plan& p, const Verification& v) {
     j["measured"] = {{"peak_bytes", v.measured_peak},
                      {"step_time_ratio", v.plain_seconds > 0 ? v.measured_seconds / v.plain_seconds : 0.0},
                      {"step_seconds", v.measured_seconds},
-                     {"plain_step_seconds", v.plain_seconds}};
+                     {"plain_step_seconds", v.plain_seconds},
+                     {"steps", v.steps}};
+    if (v.on_cuda) {
+      const CudaAllocatorCounters& c = v.cuda_measured;
+      j["measured"]["cuda"] = {{"max_memory_allocated", c.peak_allocated}, {"max_memory_reserved", c.peak_reserved},
+                               {"num_alloc_retries", c.num_alloc_retries}, {"num_ooms", c.num_ooms},
+                               {"reserved_limit_bytes", v.cuda_limit_bytes}};
+    }
     j["verify_attempts"] = v.attempts;
+    if (v.cuda.valid) j.update(cuda_prediction_json(v.cuda));
   }
   for (const auto& n : v.notes) j["notes"].push_back(n);
   return j;

@@ -3,6 +3,7 @@
 #include <torch/torch.h>
 
 #include "memfit/errors.h"
+#include "memfit/measure/cuda_budget.h"
 #include "memfit/runtime/step.h"
 #include "memfit/techniques/cache.h"
 
@@ -17,11 +18,18 @@ void check_report_options(const Workload& w, const ReportOptions& o) {
                "expected 1 to batch (" + std::to_string(o.step.batch) + "): each rank needs at least one sample");
 }
 
+// The whole run's allocations (for the CUDA prediction) and where its last step begins.
+struct RunTrace {
+  AllocationTrace trace;
+  size_t last_step_from = 0;
+};
+
 // One step of the report: a training step (or an evaluation pass), the last one recorded
-// and analysed into `r`.
+// and analysed into `r`. The recording until then is kept in `run`.
 void report_step(Workload& w, torch::optim::Optimizer& optimizer, const ReportOptions& o, MemoryTracker& tracker,
-                 int64_t step, Report& r) {
+                 int64_t step, Report& r, RunTrace& run) {
   const bool last = step == o.steps;
+  const MemoryDevice device = memory_device_of(o.step.device);
   const auto params = w.chain->parameters();
   Batch batch;
   {
@@ -30,6 +38,8 @@ void report_step(Workload& w, torch::optim::Optimizer& optimizer, const ReportOp
                 .to(o.step.device);
   }
   if (last) {
+    run.trace = recorded_trace(tracker);
+    run.last_step_from = run.trace.events.size();
     tracker.reset_peak();
     tracker.start_recording();
   }
@@ -37,7 +47,8 @@ void report_step(Workload& w, torch::optim::Optimizer& optimizer, const ReportOp
     r.loss = eval_loss(w, batch, o.step.precision);
     if (!last) return;
     tracker.stop_recording();
-    r.analysis = analyze_step(tracker, known_storage(params, optimizer_state_tensors(optimizer), w.chain->buffers()), w.chain->size());
+    r.analysis = analyze_step(tracker, known_storage(params, optimizer_state_tensors(optimizer), w.chain->buffers()),
+                              w.chain->size(), device);
     return;
   }
   KnownStorage known;
@@ -46,16 +57,18 @@ void report_step(Workload& w, torch::optim::Optimizer& optimizer, const ReportOp
     if (!last) return;
     tracker.stop_recording();
     known = known_storage(params, optimizer_state_tensors(optimizer), w.chain->buffers());
-    r.states = classify_live(tracker, known);
+    r.states = classify_live(tracker, known, device);
   };
   r.loss = train_step(w, optimizer, batch, so).loss;
-  if (last) r.analysis = analyze_step(tracker, known, w.chain->size());
+  if (last) r.analysis = analyze_step(tracker, known, w.chain->size(), device);
 }
 
 }  // namespace
 
 Report run_report(Workload& w, const ReportOptions& o) {
   check_report_options(w, o);
+  const CudaPredictionOptions cuda_options = cuda_prediction_options_from_env();
+  const MemoryDevice device = memory_device_of(o.step.device);
   auto tracker = std::make_shared<MemoryTracker>();
   TrackerScope scope(tracker);
   adopt_tensors(*tracker, w.chain->parameters());
@@ -68,14 +81,22 @@ Report run_report(Workload& w, const ReportOptions& o) {
   r.parameters = parameter_count(*w.chain);
   r.parameter_bytes = parameter_bytes(*w.chain);
   r.batch = o.step.batch;
-  for (int i = 0; i < w.chain->size(); ++i) {
-    r.block_names.push_back(w.chain->block(i).name);
-    r.block_recomputed.push_back(o.step.checkpoint.recomputes(i));
-  }
+  r.block_names = w.chain->block_names();
+  for (int i = 0; i < w.chain->size(); ++i) r.block_recomputed.push_back(o.step.checkpoint.recomputes(i));
   auto optimizer = make_optimizer(o.step.optimizer, w.chain->parameters());
-  for (int64_t step = 1; step <= o.steps; ++step) report_step(w, *optimizer, o, *tracker, step, r);
-  r.between_steps_bytes = tracker->current();
-  for (int p = 0; p < kNumPhases; ++p) r.phase_peak[p] = tracker->phase_peak(static_cast<Phase>(p));
+  RunTrace run;
+  CudaPredictionOptions run_cuda_options = cuda_options;
+  if (device == MemoryDevice::kCUDA) {  // what the allocator holds already (the weights, cuBLAS's workspace)
+    const CudaAllocatorCounters now = cuda_allocator_counters(o.step.device.has_index() ? o.step.device.index() : 0);
+    run_cuda_options.reserved_at_start = now.reserved;
+    run_cuda_options.allocated_at_start = now.allocated;
+  }
+  tracker->start_recording();  // from the first step: a CUDA allocator's cache carries over between steps
+  for (int64_t step = 1; step <= o.steps; ++step) report_step(w, *optimizer, o, *tracker, step, r, run);
+  append_recording(run.trace, *tracker);
+  r.cuda = predict_cuda_reserved(run.trace, device, run_cuda_options, run.last_step_from);
+  r.between_steps_bytes = tracker->current(device);
+  for (int p = 0; p < kNumPhases; ++p) r.phase_peak[p] = tracker->phase_peak(static_cast<Phase>(p), device);
   // Per rank: the optimizer's state measured here, per parameter byte, over each rank's share.
   const double state_per_byte = r.parameter_bytes > 0 ? static_cast<double>(r.states.optimizer_state) /
                                                             static_cast<double>(r.parameter_bytes)
@@ -91,16 +112,6 @@ Report run_report(Workload& w, const ReportOptions& o) {
   }
   return r;
 }
-
-namespace {
-
-nlohmann::json categories_json(const Categories& c) {
-  return {{"weights", c.weights},         {"buffers", c.buffers},             {"gradients", c.gradients},
-          {"optimizer_state", c.optimizer_state}, {"activations", c.activations},
-          {"other", c.other},             {"autocast_cache", c.autocast_cache}};
-}
-
-}  // namespace
 
 nlohmann::json report_json(const Report& r) {
   nlohmann::json j;
@@ -124,10 +135,14 @@ nlohmann::json report_json(const Report& r) {
   // CUDA's caching allocator reserves more than it hands out (empty_cache() gives it back).
   nlohmann::json devices = {{"cpu", {{"allocated_bytes", r.between_steps_bytes}, {"reserved_bytes", r.between_steps_bytes}}}};
   if (cuda_available()) {
-    const DeviceMemory m = cuda_memory(0);
-    devices["cuda"] = {{"allocated_bytes", m.allocated}, {"reserved_bytes", m.reserved}, {"peak_allocated_bytes", m.peak_allocated}};
+    const CudaAllocatorCounters m = cuda_allocator_counters(0);
+    devices["cuda"] = {{"allocated_bytes", m.allocated},           {"reserved_bytes", m.reserved},
+                       {"peak_allocated_bytes", m.peak_allocated}, {"peak_reserved_bytes", m.peak_reserved},
+                       {"num_alloc_retries", m.num_alloc_retries}, {"num_ooms", m.num_ooms}};
   }
   j["device_memory"] = devices;
+  // Predicted from the recorded run (on CUDA: from the allocator's own block sizes).
+  j.update(cuda_prediction_json(r.cuda));
   nlohmann::json phases = nlohmann::json::object();
   for (Phase p : {Phase::kForward, Phase::kBackward, Phase::kRecompute, Phase::kOptimizer, Phase::kEval}) {
     if (r.phase_peak[static_cast<int>(p)] > 0) phases[phase_name(p)] = {{"peak_bytes", r.phase_peak[static_cast<int>(p)]}};
@@ -148,63 +163,17 @@ nlohmann::json report_json(const Report& r) {
   return j;
 }
 
-nlohmann::json ranks_json(const std::vector<RankStateBytes>& ranks) {
-  nlohmann::json a = nlohmann::json::array();
-  for (size_t r = 0; r < ranks.size(); ++r) {
-    a.push_back({{"rank", static_cast<int>(r)}, {"weights", ranks[r].weights}, {"gradients", ranks[r].gradients},
-                 {"optimizer_state", ranks[r].optimizer_state}});
-  }
-  return a;
-}
-
-nlohmann::json step_chart_document(const std::string& title, const std::string& device, const StepAnalysis& a,
-                                   const std::vector<std::string>& block_names, const std::vector<bool>& recomputed) {
-  nlohmann::json d;
-  d["title"] = title;
-  d["device"] = device;
-  d["budget_bytes"] = nullptr;
-  d["peak_bytes"] = a.peak_bytes;
-  d["peak_time_us"] = a.peak_t_ns / 1000;
-  // Buffers get a band only where the model has some (BatchNorm's statistics), not a 0 B legend.
-  const bool has_buffers = a.at_start.buffers > 0 || a.at_peak.buffers > 0;
-  d["categories"] = has_buffers ? nlohmann::json{"weights", "buffers", "gradients", "optimizer_state", "activations", "other"}
-                                : nlohmann::json{"weights", "gradients", "optimizer_state", "activations", "other"};
-  d["at_peak"] = categories_json(a.at_peak);
-  nlohmann::json timeline = nlohmann::json::array();
-  for (const auto& p : a.timeline) {
-    timeline.push_back({{"t_us", p.t_ns / 1000},
-                        {"phase", phase_name(p.phase)},
-                        {"weights", p.live.weights},
-                        {"buffers", p.live.buffers},
-                        {"gradients", p.live.gradients},
-                        {"optimizer_state", p.live.optimizer_state},
-                        {"activations", p.live.activations},
-                        {"other", p.live.other}});
-  }
-  d["timeline"] = timeline;
-  nlohmann::json phases = nlohmann::json::array();
-  for (const auto& s : a.phases) {
-    phases.push_back({{"name", phase_name(s.phase)}, {"start_us", s.start_ns / 1000},
-                      {"end_us", s.end_ns / 1000}, {"peak_bytes", s.peak_bytes}});
-  }
-  d["phases"] = phases;
-  nlohmann::json blocks = nlohmann::json::array();
-  for (size_t i = 0; i < block_names.size(); ++i) {
-    blocks.push_back({{"name", block_names[i]},
-                      {"activation_bytes", a.block_activation_bytes.at(i)},
-                      {"recomputed", static_cast<bool>(recomputed.at(i))}});
-  }
-  d["blocks"] = blocks;
-  return d;
-}
-
-nlohmann::json report_chart_document(const Report& r) {
-  nlohmann::json d = step_chart_document("memfit report: " + r.description, r.options.step.device.str(), r.analysis, r.block_names, r.block_recomputed);
-  if (r.ranks.size() > 1) {
-    d["ranks"] = ranks_json(r.ranks);
-    d["zero_stage"] = r.options.zero_stage;
-    if (r.largest_gathered_block_bytes > 0) d["largest_gathered_block_bytes"] = r.largest_gathered_block_bytes;
-  }
+ReportDocument report_document(const Report& r) {
+  ReportDocument d;
+  d.title = "memfit report: " + r.description;
+  d.device = r.options.step.device.str();
+  d.step = r.analysis;
+  d.block_names = r.block_names;
+  d.block_recomputed = r.block_recomputed;
+  d.ranks = r.ranks;
+  d.zero_stage = r.options.zero_stage;
+  d.largest_gathered_block_bytes = r.largest_gathered_block_bytes;
+  d.cuda_reserved = r.cuda;
   return d;
 }
 

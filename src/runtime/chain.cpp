@@ -254,4 +254,10 @@ at::Tensor Chain::forward(const at::Tensor& input, const CheckpointPlan& plan) {
   return x;
 }
 
+std::vector<std::string> Chain::block_names() const {
+  std::vector<std::string> names;
+  for (const auto& b : blocks_) names.push_back(b.name);
+  return names;
+}
+
 }  // namespace memfit

@@ -140,7 +140,7 @@ std::shared_ptr<Chain> make_chain(const torch::jit::Module& root, LossKind loss,
   whole = std::make_shared<ScriptBlock>(root);
   if (loss == LossKind::kModel) {
     chain->add("model", whole, [](const at::Tensor& x) { return x; });
-    notes.push_back("--loss model: the module runs as one block inside the loss; no block can be recomputed");
+    notes.push_back("`loss` model: the module runs as one block inside the loss; no block can be recomputed");
   } else {
     chain->add("model", whole, [w = whole](const at::Tensor& x) { return w->forward(x); });
     notes.push_back("the model runs as one block: recomputation needs it exported as an nn.Sequential of blocks");
@@ -177,7 +177,7 @@ LossKind parse_loss_kind(const std::string& text) {
 }
 
 Workload load_script_workload(const ScriptWorkloadOptions& o) {
-  check_option(!o.data_file.empty(), "data", "(none)", "a TorchScript model needs its data: --data FILE (torch.save({\"inputs\": X, \"targets\": Y}))");
+  check_option(!o.data_file.empty(), "data", "(none)", "a TorchScript model needs its data: a file of torch.save({\"inputs\": X, \"targets\": Y})");
   // Scripted modules run op by op, as eager PyTorch runs them: the graph executor's optimized
   // mode differentiates whole graphs itself (DifferentiableGraph), whose backward ignores
   // autocast's casts (LibTorch 2.11: a bf16 step fails with a dtype mismatch in mm's backward).

@@ -1,14 +1,17 @@
 #include "memfit/train/oom_recovery.h"
 
-#include <ostream>
 #include <stdexcept>
 
 #include "memfit/measure/budget_allocator.h"
 
 namespace memfit {
 
-SplitRecovery::SplitRecovery(int64_t local_batch, int64_t global_batch, int blocks, std::ostream& out, bool tty)
-    : local_batch_(local_batch), global_batch_(global_batch), blocks_(blocks), out_(out), tty_(tty) {}
+SplitRecovery::SplitRecovery(int64_t local_batch, int64_t global_batch, int blocks, Note note)
+    : local_batch_(local_batch), global_batch_(global_batch), blocks_(blocks), note_(std::move(note)) {}
+
+void SplitRecovery::say(const std::string& text) const {
+  if (note_) note_(text);
+}
 
 void SplitRecovery::begin_step(int64_t step, const CheckpointPlan& planned, const std::string& budget_text) {
   step_ = step;
@@ -42,29 +45,29 @@ OomDecision SplitRecovery::on_out_of_memory(const PendingMicroBatch& failed, boo
   ++recoveries_;
   const bool injected = std::string(error.what()).find("(injected)") != std::string::npos;
   real_oom_ = real_oom_ || !injected;
-  const std::string what = std::string(tty_ ? "\n" : "") + (injected ? "out of memory (injected)" : "out of memory") +
-                           " in step " + std::to_string(step_);
+  const std::string what = std::string(injected ? "out of memory (injected)" : "out of memory") + " in step " +
+                           std::to_string(step_);
   const int64_t length = failed.part.length;
   if (partial_sums) {
     // Partial sums over earlier micro-batches cannot be taken back exactly: redo the step.
     if (!failed.recompute_all) {
-      out_ << what << " after gradients were accumulated: redoing the step, recomputing every block\n";
+      say(what + " after gradients were accumulated: redoing the step, recomputing every block");
       return restart(length, true);
     }
     if (length < 2) give_up(error);
-    out_ << what << " after gradients were accumulated: redoing the step with micro-batch " << length / 2 << "\n";
+    say(what + " after gradients were accumulated: redoing the step with micro-batch " + std::to_string(length / 2));
     return restart(length / 2, false);
   }
   OomDecision d;
   if (!failed.recompute_all && !plan_recomputes_all_) {
-    out_ << what << ": redoing the micro-batch of " << length << " samples with every block recomputed\n";
+    say(what + ": redoing the micro-batch of " + std::to_string(length) + " samples with every block recomputed");
     d.next.push_back({failed.part, true});
     return d;
   }
   if (length < 2) give_up(error);
   const auto halves = split_in_two(failed.part, global_batch_);
-  out_ << what << ": micro-batch of " << length << " samples split into " << halves[0].length << " + "
-       << halves[1].length << "\n";
+  say(what + ": micro-batch of " + std::to_string(length) + " samples split into " + std::to_string(halves[0].length) +
+      " + " + std::to_string(halves[1].length));
   d.next = {{halves[0], false}, {halves[1], false}};
   return d;
 }

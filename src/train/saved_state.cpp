@@ -4,7 +4,9 @@
 #include <torch/serialize.h>
 #include <unistd.h>
 
+#include <csignal>
 #include <cstdio>
+#include <cstdlib>
 #include <fstream>
 #include <iterator>
 #include <set>
@@ -43,10 +45,19 @@ void fsync_path(const fs::path& path, int flags) {
   ::close(fd);
 }
 
+// Testing the commit protocol: a process whose MEMFIT_CRASH_POINT names a point of a save
+// ("STEP:FILE:written", the temporary complete; "STEP:FILE:renamed", in place) dies there by
+// SIGKILL, as a machine losing power would, so that a test can visit every point in turn.
+void crash_point(int64_t step, const fs::path& file, const char* moment) {
+  static const char* const target = std::getenv("MEMFIT_CRASH_POINT");
+  if (target != nullptr && std::to_string(step) + ":" + file.filename().string() + ":" + moment == target) ::raise(SIGKILL);
+}
+
 // `write` fills PATH.tmp<pid>; it is flushed to disk and renamed to PATH, and the directory
 // entry flushed: PATH is then either the old file or the whole new one. Returns the manifest
 // entry of the new file (its name, size and sha256).
-nlohmann::json write_atomically(const fs::path& path, const std::function<void(const fs::path& tmp)>& write) {
+// `step`: the save's (crash points name it).
+nlohmann::json write_atomically(const fs::path& path, int64_t step, const std::function<void(const fs::path& tmp)>& write) {
   const fs::path tmp = path.string() + ".tmp" + std::to_string(::getpid());
   try {
     write(tmp);
@@ -60,8 +71,10 @@ nlohmann::json write_atomically(const fs::path& path, const std::function<void(c
   const nlohmann::json entry{{"name", path.filename().string()},
                              {"bytes", static_cast<int64_t>(fs::file_size(tmp))},
                              {"sha256", sha256_file(tmp.string())}};
+  crash_point(step, path, "written");
   fs::rename(tmp, path);
   fsync_path(path.parent_path(), O_RDONLY | O_DIRECTORY);
+  crash_point(step, path, "renamed");
   return entry;
 }
 
@@ -362,16 +375,16 @@ StateWriter::StateWriter(fs::path dir, int64_t step) : dir_(std::move(dir)), ste
 
 void StateWriter::write_part(const StatePart& part) {
   const fs::path path = dir_ / part_name(step_digits(step_), files_.size());
-  files_.push_back(write_atomically(path, [&](const fs::path& tmp) { write_part_archive(part, tmp); }));
+  files_.push_back(write_atomically(path, step_, [&](const fs::path& tmp) { write_part_archive(part, tmp); }));
 }
 
 void StateWriter::commit(const nlohmann::json& meta, const OptimizerSpec& spec, c10::Device device) {
   const fs::path head = dir_ / head_name(step_digits(step_));
   const std::string head_bytes = head_json(meta, spec, files_.size(), device);
-  nlohmann::json files = nlohmann::json::array({write_atomically(head, [&](const fs::path& tmp) { write_bytes(tmp, head_bytes); })});
+  nlohmann::json files = nlohmann::json::array({write_atomically(head, step_, [&](const fs::path& tmp) { write_bytes(tmp, head_bytes); })});
   for (const auto& f : files_) files.push_back(f);
   const std::string manifest = nlohmann::json{{"format", kFormat}, {"files", files}}.dump(2) + "\n";
-  write_atomically(dir_ / kManifest, [&](const fs::path& tmp) { write_bytes(tmp, manifest); });  // the commit point
+  write_atomically(dir_ / kManifest, step_, [&](const fs::path& tmp) { write_bytes(tmp, manifest); });  // the commit point
   remove_stale_state_files(dir_);
 }
 
@@ -516,6 +529,42 @@ std::string weights_sha256(const torch::nn::Module& module) {
   return weights_sha256([&](const ParameterVisitor& visit) {
     for (const auto& p : module.parameters()) visit(p);
   });
+}
+
+nlohmann::json SavedMeta::to_json() const {
+  return {{"version", kVersion},
+          {"step", step},
+          {"batch", batch},
+          {"seed", seed},
+          {"model", model},
+          {"parameters", parameters},
+          {"optimizer", optimizer_family_name(optimizer)},
+          {"optimizer_state", state_precision_name(optimizer_state)},
+          {"plan", plan}};
+}
+
+SavedMeta SavedMeta::from_json(const nlohmann::json& j) {
+  namespace jf = json_fields;
+  const int64_t version = jf::integer(j, "version");
+  if (version != kVersion) {
+    throw std::invalid_argument("JSON: 'version' " + std::to_string(version) + " is not this memfit's (" +
+                                std::to_string(kVersion) + ")");
+  }
+  SavedMeta m;
+  m.step = jf::integer(j, "step");
+  m.batch = jf::integer(j, "batch", 1);
+  const auto& seed = jf::field(j, "seed");
+  if (!seed.is_number_unsigned() && !(seed.is_number_integer() && seed.get<int64_t>() >= 0)) {
+    throw std::invalid_argument("JSON: 'seed' must be a non-negative integer, got " + seed.dump());
+  }
+  m.seed = seed.get<uint64_t>();
+  m.model = jf::text(j, "model");
+  m.parameters = jf::integer(j, "parameters");
+  m.optimizer = parse_optimizer_family(jf::text(j, "optimizer"));
+  m.optimizer_state = parse_state_precision(jf::text(j, "optimizer_state"));
+  m.plan = jf::field(j, "plan");
+  if (!m.plan.is_object()) throw std::invalid_argument("JSON: 'plan' must be an object, got " + m.plan.dump());
+  return m;
 }
 
 }  // namespace memfit

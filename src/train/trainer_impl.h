@@ -1,44 +1,77 @@
-// trainer_impl.h — the Trainer's state, shared by its parts (trainer.cpp) and its output
-// (train_output.cpp). Private to src/train.
+// trainer_impl.h — the Trainer's parts. Private to src/train.
+//
+//   TrainingMemory   the budget allocator, this thread's tracker, the budget once enforced
+//   Strategy         how parameters, gradients and optimizer state are held (strategy.h)
+//   TrainOptimizer   the optimizer and the spec it was built from (state precision resolved)
+//   TrainPlan        the plan job, the budget and the plan that runs (trainer_plan.cpp)
+//   StepRecovery     the loss scaler and out-of-memory recovery of each step
+//   RunRecord        what the run has done: summary, steps chart, leak watch (run_record.cpp)
+//   Observers        where events go (events.h): the caller's, the JSON log
 #pragma once
 
 #include <chrono>
-#include <limits>
 #include <fstream>
 #include <memory>
 #include <optional>
-#include <ostream>
+#include <vector>
 
 #include "memfit/measure/budget_allocator.h"
+#include "memfit/measure/cuda_budget.h"
 #include "memfit/measure/memory_tracker.h"
+#include "memfit/plan/job.h"
+#include "memfit/report/document.h"
 #include "memfit/techniques/grad_scaler.h"
 #include "memfit/techniques/metrics.h"
+#include "memfit/techniques/rng.h"
 #include "memfit/train/oom_recovery.h"
+#include "memfit/train/saved_state.h"
+#include "memfit/train/strategy.h"
 #include "memfit/train/trainer.h"
 
 namespace memfit {
 
 using TrainClock = std::chrono::steady_clock;
 
-// A JSON-lines log written to FILE.tmp and renamed to FILE when the run ends.
-class JsonLog {
- public:
-  explicit JsonLog(const std::string& path);
-  ~JsonLog();
-  void write(const nlohmann::json& line);
-  void commit();
+// The budget is the device's: on the CPU memfit's BudgetAllocator enforces it; on CUDA the
+// caching allocator's memory fraction caps reserved bytes, and memory outside the allocator
+// (the context, cuBLAS) is measured first and counts against it.
+struct TrainingMemory {
+  explicit TrainingMemory(c10::Device device);
+  // From now until the Trainer goes, allocations past `budget` fail as out of memory.
+  void enforce(int64_t budget);
 
- private:
-  std::string path_, tmp_;
-  std::ofstream out_;
+  c10::Device device;
+  BudgetAllocator& allocator;
+  std::shared_ptr<MemoryTracker> tracker;
+  TrackerScope scope;
+  OutsideMemory outside;              // CUDA: outside the caching allocator (zeros on the CPU)
+  std::optional<BudgetGuard> budget;  // CPU
+  std::optional<CudaMemoryFractionGuard> cuda_cap;  // CUDA
+  int64_t resident_bytes = 0;         // counted by the budget, outside the tracker (the caller's data)
+  // Bytes the budget counts at the last step's peak.
+  int64_t step_peak() const { return tracker->peak() + resident_bytes; }
 };
 
-// One point of the steps chart.
-struct StepPoint {
-  int64_t step = 0;
-  double loss = 0;
-  int64_t live_bytes = 0, peak_bytes = 0;
-  double eval_loss = std::numeric_limits<double>::quiet_NaN();  // NaN: not evaluated then
+struct TrainOptimizer {
+  std::unique_ptr<torch::optim::Optimizer> optimizer;
+  OptimizerSpec spec;  // what `optimizer` was built with: the options' spec, state resolved
+  // Builds it afresh over `params` with `state` precision (the old state is released first).
+  void build(const OptimizerSpec& asked, StatePrecision state, const std::vector<at::Tensor>& params);
+  int64_t skipped_updates() const;  // by the 8-bit optimizer (none otherwise)
+};
+
+struct TrainPlan {
+  std::optional<PlanJob> job;
+  Plan plan;
+  int64_t budget = 0;
+  double seconds = 0;  // planning took
+};
+
+struct StepRecovery {
+  std::unique_ptr<GradScaler> scaler;    // fp16 only
+  std::unique_ptr<SplitRecovery> split;
+  int64_t eval_micro_batch = 1;          // the plan's micro-batch, halved by out-of-memory errors
+  int64_t eval_recoveries = 0;
 };
 
 // The steps chart's points in preallocated storage of at most kCapacity points: when full,
@@ -50,7 +83,7 @@ class StepHistory {
   static constexpr size_t kCapacity = 1024;
   StepHistory() { points_.reserve(kCapacity); }
   void add(const StepPoint& point);
-  nlohmann::json json() const;
+  std::vector<StepPoint> points() const;  // the kept points, and the last step always
 
  private:
   std::vector<StepPoint> points_;
@@ -58,65 +91,94 @@ class StepHistory {
   int64_t stride_ = 1;
 };
 
-struct TrainerState {
-  TrainerState(Workload& workload, TrainOptions options, std::ostream& out);
-
-  Workload& w;
-  TrainOptions o;
-  std::ostream& out;
-  bool primary = true;              // rank 0: writes the log, the report, saved state
-  bool model_file_note = false;     // ZeRO 3's "no model.pt" said once
-  bool tty = false;
-  BatchSlice local;                 // this rank's samples of each batch
-  std::vector<at::Tensor> params;
-
-  BudgetAllocator* alloc = nullptr;
-  std::shared_ptr<MemoryTracker> tracker;
-  std::unique_ptr<TrackerScope> scope;
-  std::unique_ptr<BudgetGuard> budget_guard;
-  std::unique_ptr<DistributedContext> context;
-  std::unique_ptr<ShardedDataParallel> sdp;
-  std::unique_ptr<torch::optim::Optimizer> optimizer;
-  OptimizerSpec optimizer_spec;     // what `optimizer` was built with: o.optimizer, state resolved
-
-  int64_t resident_bytes = 0;       // counted by the budget, outside the tracker (caller's data)
-  int64_t start_step = 0;
-  nlohmann::json resumed_meta;      // null unless resumed
-  CostsSource costs_source;          // the planner's measurements: measured now, or from the cache
-  std::optional<Planner> planner;
-  Plan plan;
-  int64_t budget = 0;
-  std::unique_ptr<GradScaler> scaler;
-  std::unique_ptr<SplitRecovery> recovery;
-  int64_t eval_micro_batch = 1;     // the plan's micro-batch, halved by out-of-memory errors
-  int64_t eval_recoveries = 0;
-  int64_t last_saved_step = -1;
-
-  std::unique_ptr<JsonLog> log;
-  LeakDetector leaks;
+struct RunRecord {
   TrainSummary summary;
-  RankStateBytes own_state;         // measured at the last optimizer step
-  StepHistory history;              // what the HTML report's steps chart draws, bounded
-  nlohmann::json last_step_doc;     // the last step, analysed for the HTML report
+  StepHistory history;
+  LeakDetector leaks;
+  RankStateBytes own_state;                   // this rank's, measured at the last optimizer step
+  std::optional<StepAnalysis> last_step;      // analysed for the HTML report
+  int64_t start_step = 0;                     // a resumed run continues after it
+  int64_t last_saved_step = -1;
+  bool model_file_note = false;               // "no model file" said once
+  std::optional<SavedMeta> resumed;           // the saved run's meta, when resumed
   TrainClock::time_point run_start;
-
-  int64_t parameter_count = 0;      // of the whole model (counted before ZeRO 3 shards it)
-  int64_t parameter_bytes = 0;
-
-  bool sharded_optimizer() const { return sdp && sdp->zero_stage() > 0; }
-  bool sharded_weights() const { return sdp && sdp->zero_stage() == 3; }
-  // The tensors holding this rank's weights (and gradients): the parameters, or at ZeRO 3
-  // this rank's shards of them.
-  std::vector<at::Tensor> held_parameters() const { return sharded_weights() ? sdp->optimized_parameters() : params; }
-  StepOptions step_options();
 };
 
-// train_output.cpp: what the trainer prints and writes.
-void print_header(TrainerState& t);
-void print_plan(TrainerState& t);
-void print_progress(TrainerState& t, int64_t step, const nlohmann::json& step_line);
-void print_summary(TrainerState& t);
-nlohmann::json step_document(TrainerState& t, const KnownStorage& known);
-void write_report(TrainerState& t);
+// The events' fan-out: the caller's observers in order, then the JSON log.
+class Observers : public TrainObserver {
+ public:
+  void add(TrainObserver& observer) { observers_.push_back(&observer); }
+  void on_start(const StartEvent& e) override;
+  void on_plan(const PlanEvent& e) override;
+  void on_step(const StepEvent& e) override;
+  void on_eval(const EvalEvent& e) override;
+  void on_save(const SaveEvent& e) override;
+  void on_note(const std::string& note) override;
+  void on_summary(const TrainSummary& s) override;
+
+ private:
+  std::vector<TrainObserver*> observers_;
+};
+
+// The JSON-lines log: written to FILE.tmp and renamed to FILE when the run's summary is in it,
+// so an interrupted run leaves no half-written log.
+class JsonLog : public TrainObserver {
+ public:
+  explicit JsonLog(const std::string& path);
+  ~JsonLog() override;
+  void on_plan(const PlanEvent& e) override;
+  void on_step(const StepEvent& e) override;
+  void on_note(const std::string& note) override;
+  void on_summary(const TrainSummary& s) override;
+
+ private:
+  void write(const nlohmann::json& line);
+  std::string path_, tmp_;
+  std::ofstream out_;
+};
+
+struct Trainer::Impl {
+  Impl(Workload& workload, TrainOptions options);
+
+  Workload& workload;
+  TrainOptions options;
+  Observers observers;
+  std::unique_ptr<JsonLog> json_log;
+  std::unique_ptr<TrainingMemory> memory;
+  std::unique_ptr<Strategy> strategy;
+  BatchSlice local;                  // this rank's samples of each batch
+  TrainOptimizer optimizer;
+  TrainPlan plan;
+  StepRecovery recovery;
+  RunRecord record;
+  int64_t parameter_count = 0;       // of the whole model (counted before a strategy shards it)
+  int64_t parameter_bytes = 0;
+
+  bool set_up_done() const { return memory != nullptr; }
+  bool planned() const { return recovery.split != nullptr; }
+  Batch local_batch(int64_t index) const;  // this rank's part of training batch `index`, on the device
+  StepOptions step_options() const;
+  StartEvent start_event() const;
+
+  // trainer_plan.cpp
+  void make_plan_job();
+  void choose_plan();
+  void adopt_rank0_plan();
+  void prepare_steps();
+
+  // trainer.cpp
+  void resume();
+  StepResult accumulate(int64_t step, const Batch& batch);
+  void update(bool last_step);
+  void replan_after_oom(int64_t smallest_ok);
+  void record_step(int64_t step, double loss, double seconds);
+  double evaluate();
+  void save(int64_t step);
+  [[noreturn]] void stop_on_nonfinite_loss(int64_t step, double loss, const RngState& rng_at_start);
+
+  // run_record.cpp
+  void write_report();
+  ReportDocument report_document() const;
+};
 
 }  // namespace memfit

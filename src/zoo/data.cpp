@@ -100,7 +100,7 @@ std::string load_bible_text() {
   if (status != 0 || raw.size() < 1000000) {
     throw std::runtime_error(
         "cannot read the King James Bible: install Debian's bible-kjv and bible-kjv-text "
-        "(bash scripts/setup.sh does), or pass --data FILE");
+        "(bash scripts/setup.sh does), or give `data` a text file of your own");
   }
   // Lines look like "Ge1:1 In the beginning ...": keep the verse text only.
   std::string text;
@@ -126,7 +126,12 @@ std::string load_bible_text() {
   return text;
 }
 
-std::string default_fashion_mnist_dir() { return "/usr/share/datasets/fashion-mnist"; }
+// Debian's dataset-fashion-mnist, unless MEMFIT_FASHION_MNIST_DIR names another folder of the
+// same four .gz files (a machine without the package: bench/gpu_check.sh writes stand-ins).
+std::string default_fashion_mnist_dir() {
+  const char* dir = std::getenv("MEMFIT_FASHION_MNIST_DIR");
+  return dir != nullptr && *dir != '\0' ? dir : "/usr/share/datasets/fashion-mnist";
+}
 
 TextDataset::TextDataset(const std::string& text, int64_t seq, std::string source)
     : source_(std::move(source)), seq_(seq) {

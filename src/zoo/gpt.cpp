@@ -19,9 +19,8 @@ at::Tensor layer_norm_fp32(torch::nn::LayerNorm& ln, const at::Tensor& x) {
 
 // ATen's linear, the op Python's nn.Linear calls. LibTorch's C++ LinearImpl::forward (1.13 and
 // 2.x) runs a 3-d input as matmul, then `+= bias` outside autocast's reach: under bf16 autocast
-// each call converts to add the fp32 bias into the bf16 product (perf: 5-7% of a bf16 step of
-// the default GPT, against PyTorch's same model). at::linear is autocast's own op: one cached
-// bf16 bias, fused.
+// each call converts to add the fp32 bias into the bf16 product (a few percent of a bf16 step
+// of the default GPT). at::linear is autocast's own op: one cached bf16 bias, fused.
 at::Tensor linear(const torch::nn::Linear& layer, const at::Tensor& x) {
   return at::linear(x, layer->weight, layer->bias);
 }

@@ -1,22 +1,16 @@
 #!/usr/bin/env bash
 # Nothing lost and nothing silent: evaluation inside the budget, defaults that run, Ctrl-C that
-# saves and summarizes, kill -9 during saves that resume exactly, a diverging loss that stops.
+# saves and summarizes, a crash at every point of a save that resumes exactly, a diverging loss
+# that stops.
 set -u
 memfit=$(realpath "$1")
 dir=$(mktemp -d)
 trap 'rm -rf "$dir"' EXIT
 cd "$dir" || exit 1
-tiny=(--layers 2 --d-model 64 --heads 4 --seq 32 --batch 8 --no-progress)
+model=(--layers 2 --d-model 64 --heads 4 --seq 32 --batch 8)
+tiny=("${model[@]}" --no-progress)
 pinned=(--micro-batch 4 --checkpoint none --precision fp32 --budget 64MiB)
-pass=0; fail=0
-ok() { pass=$((pass+1)); }
-bad() { fail=$((fail+1)); echo "FAILED: $*"; }
-py() { "${MEMFIT_TEST_PYTHON:-/usr/bin/python3}" - "$@"; }
-summary() { py "$1" "$2" <<'PY'
-import json, sys
-print(json.loads(open(sys.argv[1]).read().splitlines()[-1])[sys.argv[2]])
-PY
-}
+source "$(dirname "$(realpath "$0")")/lib.sh"
 
 # 1. Small shapes and defaults complete, evaluation included (it runs under the plan's budget).
 "$memfit" train "${tiny[@]}" --precision fp32 --budget 2MiB --steps 5 --eval-every 5 --json-log eval.jsonl > eval.out 2>&1 \
@@ -27,11 +21,10 @@ PY
 
 # 2. Ctrl-C: the step finishes, the state is saved, summary + JSON log + HTML are written, exit
 #    130; the saved state resumes to the same weights as a run never interrupted.
-"$memfit" train "${tiny[@]}" "${pinned[@]}" --steps 100000 --save-every 100000 --save int --json-log int.jsonl \
-  --report int.html > int.out 2>&1 &
+"$memfit" train "${model[@]}" --progress-every 1 "${pinned[@]}" --steps 100000 --save-every 100000 --save int \
+  --json-log int.jsonl --report int.html > int.out 2>&1 &
 pid=$!
-for _ in $(seq 100); do grep -q "step" int.out 2>/dev/null && break; sleep 0.1; done
-sleep 2
+wait_for_line int.out "step 3/" || bad "the run to interrupt did not train: $(tail -3 int.out)"
 kill -INT $pid; wait $pid; rc=$?
 stopped=$(summary int.jsonl steps 2>/dev/null)
 [ $rc -eq 130 ] && [ "$(summary int.jsonl interrupted)" = True ] && [ -s int.html ] && grep -q "^Summary:" int.out \
@@ -43,26 +36,32 @@ target=$((stopped + 3))
 [ "$(summary resumed.jsonl weights_sha256)" = "$(summary straight.jsonl weights_sha256)" ] && ok \
   || bad "resume after Ctrl-C at step $stopped is not exact"
 
-# 3. kill -9 at random moments of a run that saves every step: every resume is exact, and the
-#    next run leaves no temporary file behind.
-"$memfit" train "${tiny[@]}" "${pinned[@]}" --steps 40 --json-log ref.jsonl > ref.out 2>&1 || bad "reference run"
-exact=0
-for k in $(seq 10); do
-  rm -rf kill
-  "$memfit" train "${tiny[@]}" "${pinned[@]}" --steps 40 --save kill --save-every 1 > kill.out 2>&1 &
-  pid=$!
-  for _ in $(seq 100); do grep -q "step" kill.out 2>/dev/null && break; sleep 0.05; done
-  sleep "0.$((RANDOM % 9 + 1))"
-  kill -9 $pid 2>/dev/null; wait $pid 2>/dev/null
-  [ -f kill/state.json ] || continue   # killed before the first save: nothing to resume
-  "$memfit" train "${tiny[@]}" "${pinned[@]}" --steps 40 --resume kill --save kill --json-log k.jsonl > k.out 2>&1 \
-    || { bad "resume after kill $k: $(tail -2 k.out)"; continue; }
-  [ "$(summary k.jsonl weights_sha256)" = "$(summary ref.jsonl weights_sha256)" ] && exact=$((exact+1)) \
-    || bad "resume after kill $k is not exact"
-  [ -z "$(ls kill | grep -v '^state-00000040\(\.json\|\.part-[0-9]*\.pt\)$' | grep -v '^state.json$')" ] || bad "leftovers after kill $k: $(ls kill)"
+# 3. A crash (SIGKILL) at each point of a save, in turn: the temporary of the first and of the
+#    last part written, each renamed into place, the head, the manifest (the commit point). Each
+#    run saves every step and dies in step 3's save; resuming gives the weights of a run never
+#    interrupted, and leaves no temporary behind.
+"$memfit" train "${tiny[@]}" "${pinned[@]}" --steps 6 --json-log ref.jsonl > ref.out 2>&1 || bad "reference run"
+"$memfit" train "${tiny[@]}" "${pinned[@]}" --steps 1 --save parts > parts.out 2>&1 || bad "a save to count parts"
+last_part=$(ls parts | grep -o 'part-[0-9]*' | sort | tail -1)
+points=()
+for file in "state-00000003.part-0000.pt" "state-00000003.$last_part.pt" "state-00000003.json" "state.json"; do
+  points+=("3:$file:written" "3:$file:renamed")
 done
-[ $exact -ge 5 ] && ok || bad "only $exact of 10 kills resumed exactly"
-echo "  kill -9 during saving: $exact resumes, all exact"
+exact=0
+for point in "${points[@]}"; do
+  rm -rf crash
+  { MEMFIT_CRASH_POINT=$point "$memfit" train "${tiny[@]}" "${pinned[@]}" --steps 6 --save crash --save-every 1 > crash.out 2>&1; } 2>/dev/null
+  rc=$?  # (the shell's "Killed" line went to /dev/null: the crash is the point)
+  [ $rc -eq 137 ] || { bad "no crash at $point (rc $rc): $(tail -2 crash.out)"; continue; }
+  "$memfit" train "${tiny[@]}" "${pinned[@]}" --steps 6 --resume crash --save crash --json-log c.jsonl > c.out 2>&1 \
+    || { bad "resume after a crash at $point: $(tail -2 c.out)"; continue; }
+  [ "$(summary c.jsonl weights_sha256)" = "$(summary ref.jsonl weights_sha256)" ] && exact=$((exact+1)) \
+    || bad "resume after a crash at $point is not exact"
+  [ -z "$(ls crash | grep -v '^state-00000006\(\.json\|\.part-[0-9]*\.pt\)$' | grep -v '^state.json$')" ] \
+    || bad "leftovers after a crash at $point: $(ls crash)"
+done
+[ $exact -eq ${#points[@]} ] && ok || bad "only $exact of ${#points[@]} crashes resumed exactly"
+echo "  a crash at each of ${#points[@]} points of a save: $exact resumes, all exact"
 
 # 4. A loss that diverges stops the run, naming the step, with the last good state saved.
 err=$("$memfit" train "${tiny[@]}" --micro-batch 8 --checkpoint none --precision fp32 --budget 64MiB --lr 1e30 --steps 20 \

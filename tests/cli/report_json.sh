@@ -80,3 +80,55 @@ for bad in "--optimizer-state auto" "--optimizer-state int8" "--optimizer sgd --
   grep -q -- "--optimizer-state" "$dir/err" || { echo "flag not named for $bad:"; cat "$dir/err"; exit 1; }
 done
 echo "cli report 8-bit state: 1 passed, 0 failed"
+
+# What the run would reserve on a CUDA device (issue 32): the default GPT's recorded steps
+# replayed on the caching allocator model reserve at least their peak, in whole 2 MiB segments,
+# under the rules of the LibTorch this build uses; the HTML report draws the reserved line.
+"$memfit" report --steps 2 --json --html "$dir/default.html" > "$dir/default.json"
+"${MEMFIT_TEST_PYTHON:-/usr/bin/python3}" - "$dir/default.json" "$dir/default.html" "$("$memfit" --version)" <<'PY'
+import json, sys
+j = json.load(open(sys.argv[1])); html = open(sys.argv[2]).read(); version = sys.argv[3]
+reserved, allocated, peak = j["cuda_reserved_peak_bytes"], j["cuda_allocated_peak_bytes"], j["peak_bytes"]
+assert reserved >= allocated >= peak > 0, (reserved, allocated, peak)
+assert reserved % (2 << 20) == 0, reserved
+rules = "1.13" if "LibTorch 1.13" in version else "2.x"
+assert j["cuda_allocator_rules"] == rules, (j["cuda_allocator_rules"], version)
+conf = j["cuda_allocator_conf"]
+assert conf["PYTORCH_CUDA_ALLOC_CONF"] == "" and conf["max_split_size_mb"] is None and conf["expandable_segments"] is False
+assert 'class="reserved-line"' in html and 'id="reserved-peak"' in html and str(reserved) in html
+PY
+# The settings in the environment are the ones the prediction uses (and says so).
+PYTORCH_CUDA_ALLOC_CONF=roundup_power2_divisions:4 "$memfit" report --steps 2 --json > "$dir/divisions.json"
+"${MEMFIT_TEST_PYTHON:-/usr/bin/python3}" - "$dir/default.json" "$dir/divisions.json" <<'PY'
+import json, sys
+a, b = (json.load(open(f)) for f in sys.argv[1:3])
+assert b["cuda_allocator_conf"]["roundup_power2_divisions"] == [4] * 16, b["cuda_allocator_conf"]
+assert b["cuda_allocator_conf"]["PYTORCH_CUDA_ALLOC_CONF"] == "roundup_power2_divisions:4"
+assert b["cuda_reserved_peak_bytes"] >= b["cuda_allocated_peak_bytes"] >= b["peak_bytes"] == a["peak_bytes"]
+PY
+# (A key without a value is not among them: LibTorch 2.x's CUDA builds abort on it while loading,
+# in their own parser, before memfit runs.)
+for bad in "max_split_size_mb:ten" "garbage_collection_threshold:2" "no_such_option:1"; do
+  if PYTORCH_CUDA_ALLOC_CONF=$bad "$memfit" report --layers 2 --d-model 64 --heads 4 --seq 32 --batch 4 --steps 1 \
+    > "$dir/out" 2> "$dir/err"; then
+    echo "accepted PYTORCH_CUDA_ALLOC_CONF=$bad"; exit 1
+  fi
+  [ "$(wc -l < "$dir/err")" -eq 1 ] && grep -qF "PYTORCH_CUDA_ALLOC_CONF '$bad'" "$dir/err" ||
+    { echo "not one line naming PYTORCH_CUDA_ALLOC_CONF=$bad:"; cat "$dir/err"; exit 1; }
+done
+echo "cli report cuda reserved: 1 passed, 0 failed"
+
+# A verified plan says the same of its steps (their trace replayed); --verify-steps is checked first.
+"$memfit" plan --layers 2 --d-model 64 --heads 4 --seq 32 --batch 8 --budget 3MiB --verify-steps 4 --json > "$dir/plan.json"
+"${MEMFIT_TEST_PYTHON:-/usr/bin/python3}" - "$dir/plan.json" <<'PY'
+import json, sys
+j = json.load(open(sys.argv[1]))
+assert j["feasible"] and j["measured"]["steps"] == 4, j.get("measured")
+assert j["cuda_reserved_peak_bytes"] >= j["cuda_allocated_peak_bytes"] > 0, j
+assert j["cuda_reserved_peak_bytes"] % (2 << 20) == 0 and j["cuda_allocator_rules"] in ("1.13", "2.x")
+PY
+if "$memfit" plan --layers 2 --d-model 64 --heads 4 --seq 32 --batch 8 --budget 3MiB --verify-steps 1 > "$dir/out" 2> "$dir/err" ||
+   [ "$(wc -l < "$dir/err")" -ne 1 ] || ! grep -q -- "--verify-steps 1" "$dir/err"; then
+  echo "--verify-steps 1 not refused in one line:"; cat "$dir/err"; exit 1
+fi
+echo "cli plan cuda reserved: 1 passed, 0 failed"

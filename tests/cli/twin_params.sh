@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
-# memfit's C++ models and their PyTorch twins (bench/pytorch_twin.py) have equal parameter
+# memfit's C++ models and their PyTorch twins (bench/harness/pytorch_twin.py) have equal parameter
 # counts: GPT defaults, a small GPT, the CNN defaults. The side-by-side benchmark compares
 # like with like only if this holds.
-#   bash tests/cli/twin_params.sh MEMFIT bench/pytorch_twin.py
+#   bash tests/cli/twin_params.sh MEMFIT bench/harness/pytorch_twin.py
 set -u
 memfit=$1
 twin=$2

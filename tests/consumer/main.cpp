@@ -24,20 +24,24 @@ int main() {
   w.loss = [](const at::Tensor& out, const at::Tensor& y) { return torch::mse_loss(out, y); };
 
   memfit::TrainOptions o;
-  o.batch = 32;
+  o.step.batch = 32;
   o.steps = 15;
   o.budget_bytes = 8 << 20;  // the plain fp32 step needs about 9.3 MB: micro-batches it is
-  o.precision = "fp32";
-  o.optimizer.family = memfit::OptimizerFamily::kSGD;
-  o.optimizer.momentum = 0.9;
-  o.optimizer.lr = 0.02;
-  o.progress = false;
-  o.report_html.clear();
-  std::ostringstream log;
-  memfit::Trainer trainer(w, o, log);
+  o.pin_precision = true;    // step.precision: fp32
+  o.step.optimizer.family = memfit::OptimizerFamily::kSGD;
+  o.step.optimizer.momentum = 0.9;
+  o.step.optimizer.lr = 0.02;
+  // An observer of the caller's own: the steps as they come.
+  struct Steps : memfit::TrainObserver {
+    int seen = 0;
+    void on_step(const memfit::StepEvent&) override { ++seen; }
+  } steps;
+  memfit::Trainer trainer(w, o);
+  trainer.add_observer(steps);
   const memfit::TrainSummary s = trainer.run();
 
-  const bool ok = s.peak_bytes <= s.budget_bytes && s.losses.back() < s.losses.front() && s.plan.config.accumulation() > 1;
+  const bool ok = s.peak_bytes <= s.budget_bytes && s.losses.back() < s.losses.front() && s.plan.config.accumulation() > 1 &&
+                  steps.seen == o.steps;
   std::cout << "consumer: peak " << s.peak_bytes << " of " << s.budget_bytes << " bytes, " << s.plan.config.describe()
             << ", loss " << s.losses.front() << " -> " << s.losses.back() << ", " << (ok ? "ok" : "FAILED") << "\n";
   return ok ? 0 : 1;

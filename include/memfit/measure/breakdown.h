@@ -15,6 +15,7 @@
 #pragma once
 
 #include <ATen/ATen.h>
+#include <nlohmann/json.hpp>
 
 #include <cstdint>
 #include <string>
@@ -42,6 +43,10 @@ struct KnownStorage {
 };
 // The parameters, their current .grad, the optimizer's state tensors (any family's:
 // runtime/optimizer.h's optimizer_state_tensors) and the modules' buffers (Chain::buffers()).
+// The one JSON form of Categories: {"weights", "buffers", "gradients", "optimizer_state",
+// "activations", "other", "autocast_cache"}, bytes as integers.
+nlohmann::json categories_json(const Categories& categories);
+
 KnownStorage known_storage(const std::vector<at::Tensor>& parameters, const std::vector<at::Tensor>& optimizer_state,
                            const std::vector<at::Tensor>& buffers = {});
 

@@ -39,6 +39,11 @@ const char* phase_name(Phase phase);
 enum class MemoryDevice : uint8_t { kCPU = 0, kCUDA = 1 };
 constexpr int kNumMemoryDevices = 2;
 
+// The counted device a tensor's device is (anything but CUDA counts as the CPU's).
+inline MemoryDevice memory_device_of(const c10::Device& device) {
+  return device.is_cuda() ? MemoryDevice::kCUDA : MemoryDevice::kCPU;
+}
+
 // Tag for allocations made while no block of a chain is running.
 constexpr int16_t kNoBlock = -1;
 // Tag for the frees made when autocast's weight-cast cache is cleared (see Autocast).
@@ -108,9 +113,10 @@ class MemoryTracker : public c10::MemoryReportingInfoBase {
   bool recording() const;
   const std::vector<MemoryEvent>& events() const { return events_; }
   const std::vector<PhaseMark>& phase_marks() const { return marks_; }
-  // Allocations alive when start_recording() was called.
+  // Allocations alive when start_recording() was called, in the order they were made (or adopted):
+  // a replay (cuda_reserved.h) makes them again in that order.
   const std::vector<LiveAllocation>& live_at_start() const { return live_at_start_; }
-  // Allocations alive now.
+  // Allocations alive now, in the order they were made.
   std::vector<LiveAllocation> live_allocations() const;
 
   // The tracker installed on the calling thread, or nullptr.
@@ -120,12 +126,15 @@ class MemoryTracker : public c10::MemoryReportingInfoBase {
   struct Live {
     int64_t bytes;
     MemoryDevice device;
+    int64_t order;  // allocations and adoptions so far, when this one was made
   };
   int64_t now_ns() const;
   void note_live_locked(MemoryDevice device);
+  std::vector<LiveAllocation> live_in_order_locked() const;
 
   mutable std::mutex mutex_;
   std::unordered_map<const void*, Live> live_;
+  int64_t next_order_ = 0;
   std::array<int64_t, kNumMemoryDevices> current_{};
   std::array<int64_t, kNumMemoryDevices> peak_{};
   std::array<std::array<int64_t, kNumPhases>, kNumMemoryDevices> phase_peak_{};

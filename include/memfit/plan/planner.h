@@ -1,5 +1,4 @@
-// planner.h — the fastest step configuration that fits a budget, predicted before it runs,
-// then verified.
+// planner.h — the fastest step configuration that fits a budget, searched over measured costs.
 //
 // 1. Costs: a WorkloadProfile (profile.h), measured or written by hand, and this process's
 //    optimizer cost (measured: profile.h's measure_optimizer), gradients and extra bytes.
@@ -10,10 +9,10 @@
 //    With the optimizer's state precision auto, the state is one more dimension: the spec's
 //    fp32 state is kept unless the 8-bit state lets a faster plan fit (optimizer step
 //    included) or nothing fits otherwise.
-// 4. Verify (verify.h): real steps under the tracker; if the measured peak exceeds the budget,
-//    tighten and plan again (and say so).
 //
-// The Planner runs no model: everything it says follows from the numbers it was given.
+// The Planner runs no model: everything it says follows from the numbers it was given. What
+// measures those numbers and times what the search guessed is plan/job.h; what runs a plan to
+// check it is verify.h.
 #pragma once
 
 #include <c10/core/DeviceType.h>
@@ -30,13 +29,17 @@
 
 namespace memfit {
 
+// Of the budget, kept free for what the model cannot see (allocator rounding, workspaces the
+// profile missed): every plan's margin unless a request says otherwise.
+constexpr double kPlanMargin = 0.03;
+
 struct PlanRequest {
   int64_t budget_bytes = 0;
   // The fixed parts of the step: device, batch (this rank's samples per step), set_to_none,
   // optimizer; micro_batch > 0 pins it (0: searched). Precision and checkpoint are chosen.
   StepConfig step;
   std::optional<CheckpointPlan> checkpoint;  // pinned schedule; unset: solved
-  double margin = 0.03;                      // of the budget, kept free for what the model cannot see
+  double margin = kPlanMargin;               // of the budget, kept free for what the model cannot see
   OptimizerCost optimizer;                   // this process's (ZeRO: its shard's); state auto: fp32's
   // Other state precisions the plan may choose instead (state auto: the 8-bit state's cost).
   std::vector<OptimizerCost> optimizer_alternatives;
@@ -44,6 +47,12 @@ struct PlanRequest {
   int64_t extra_bytes = 0;                   // alive beside the optimizer step (state gathered to save)
   int64_t resident_bytes = 0;                // alive all along, counted by the budget but not profiled
                                              // (the caller's data tensors, other models)
+  // On CUDA the budget is the device's: the caching allocator reserves more than it hands out, and
+  // memory outside it (context, cuBLAS) counts too. A plan's allocated peak must then fit
+  // (budget - outside_bytes) / reserved_per_allocated (the reserved/allocated relation a replay
+  // of a recorded step gave: cuda_reserved.h); 1 and 0 on the CPU, whose allocator caches nothing.
+  double reserved_per_allocated = 1.0;
+  int64_t outside_bytes = 0;
   // ZeRO 3 (empty otherwise): per block, its weights in full and this rank's shard. Weights
   // and gradients held are then the shards; a block's full weights are added around its
   // forward, recompute and backward (one block at a time); every block is recomputed, so
@@ -58,6 +67,7 @@ std::vector<Precision> precision_candidates(const std::string& text, c10::Device
 struct Plan {
   bool feasible = false;
   int64_t budget_bytes = 0;
+  double margin = kPlanMargin;      // of the budget, kept free (the request's)
   int64_t floor_bytes = 0;          // the smallest budget any plan reaches (margin included)
   StepConfig config;                // what runs (valid when feasible)
   bool checkpoint_pinned = false;   // the schedule was given, not solved
@@ -69,32 +79,12 @@ struct Plan {
   std::vector<std::string> notes;   // why this plan, said plainly
 };
 
-// The one JSON form of a plan: {"budget_bytes", "feasible", "floor_bytes", "config" (step_config_json),
+// The one JSON form of a plan: {"budget_bytes", "margin", "feasible", "floor_bytes", "config" (step_config_json),
 // "checkpoint_pinned", "predicted": {"peak_bytes", "step_time_ratio"}, "plain": {...}, "notes"}.
 nlohmann::json plan_json(const Plan& plan);
 // Reads it back (saved state, the broadcast to ranks); the config is checked against `blocks`.
 Plan plan_from_json(const nlohmann::json& json, int blocks);
 
-class Planner;
-// Seconds of the plain chain at a precision for each of `sizes`, on the scale of `reference`, a
-// point timed before (profile.h's time_plain_chain).
-using ChainTimer = std::function<std::vector<double>(Precision precision, const std::vector<int64_t>& sizes,
-                                                     const TimingReference& reference)>;
-// Plans for `budget_bytes` (0: the request's); while the plan, or a rival predicted within
-// kRivalSlack of it (kExtrapolatedRivalSlack above the timed sizes), runs micro-batches that
-// its precision's chain was not timed at, times them with `time_chain`, adds them to the
-// planner's profile and plans again (each size timed once). Returns the plan; *timed counts
-// the sizes timed (the caller may store the grown profile).
-Plan plan_timing_as_needed(Planner& planner, int64_t budget_bytes, const ChainTimer& time_chain, int* timed = nullptr);
-// How close a rival's predicted step must be to the chosen plan's for its guessed sizes to be
-// timed too: a guess can be off either way (GPT 6x192 bf16: the whole batch of 24, guessed
-// slower than 6 x 4, ran 9% faster).
-constexpr double kRivalSlack = 0.10;
-// The same for a rival whose micro-batch is above every size its precision's chain was timed
-// at: there the guess is the line continued, which errs most (GPT 8x256 bf16: the whole batch
-// guessed 5% slower than measured, 1.506 s against 1.429; a burst of slowness on the half
-// batch's runs tilts the line further, and 4 x 4 was planned where 16 x 1 ran 7% faster).
-constexpr double kExtrapolatedRivalSlack = 0.25;
 
 class Planner {
  public:
@@ -149,6 +139,9 @@ class Planner {
   const PrecisionProfile& timed_precision() const;  // the first precision whose chain was timed
   int64_t optimizer_peak(const OptimizerCost& optimizer) const;
   int64_t weight_bytes() const;  // held through the step: all weights, or this rank's shards (ZeRO 3)
+  // The allocated bytes a plan for `budget` may peak at: outside memory, the allocator's
+  // reserved/allocated relation and the margin taken off.
+  int64_t usable_bytes(int64_t budget) const;
   void add_gathered_blocks(ChainCosts& costs) const;
   Plan prediction_base(int64_t budget) const;
   std::vector<int64_t> candidate_sizes() const;  // the pinned micro-batch, or B, B/2, B/4, ... 1
@@ -168,13 +161,5 @@ class Planner {
   PlanRequest request_;
 };
 
-// Profiles the workload for `batch` at each precision and measures the optimizer of
-// request.step over `optimized` (this process's parameters; empty: all), then returns the
-// Planner over those measurements. With a cache directory the measurements are read from it
-// when it holds them (profile_cache.h); `source` says where they came from. `tracker` must be
-// installed on this thread.
-Planner measure_and_plan(Workload& workload, const Batch& batch, const std::vector<Precision>& precisions,
-                         PlanRequest request, MemoryTracker& tracker, std::vector<at::Tensor> optimized = {},
-                         const ProfileCacheOptions& cache = {}, CostsSource* source = nullptr);
 
 }  // namespace memfit

@@ -17,23 +17,23 @@
 // estimated from one run recomputing every block (little memory), less the forward that
 // recomputing adds. Elsewhere the line is only a first guess: below the quarter fixed
 // per-call costs make small micro-batches slower than any line says, and above it caches make
-// larger ones slower per sample on some machines (GPT 6x192 on a 2-core Xeon: 24 samples 13%
-// slower per sample than 12), or faster (GPT 8x256 bf16: 16 samples 6% faster than 8). So
-// every size that a plan, or a rival predicted close to it, would run and that was not
-// measured is timed before the plan is taken (plan_timing_as_needed in planner.h,
-// time_plain_chain here), beside the quarter, whose earlier time sets the scale. Those points
-// are the time model; the blocks' seconds only divide a point's time among blocks.
+// larger ones slower or faster per sample, by machine and model. So every size that a plan, or
+// a rival predicted close to it, would run and that is not measured is timed before the plan
+// is taken (plan_timing_as_needed in job.h, time_plain_chain here), beside the quarter, whose
+// earlier time sets the scale. Those points are the time model; the blocks' seconds only
+// divide a point's time among blocks.
 //
 // Only the precision whose blocks ran fastest at half the batch is timed in the profile: the
-// search needs another precision's times only where that precision's plans come close (GPT
-// 8x256: fp32's blocks take 1.8x bf16's, and its timing was a quarter of planning). Until then
+// search needs another precision's times only where that precision's plans come close, and
+// timing a slow precision's chain would cost a large share of planning. Until then
 // such a precision's chain is guessed as the timed one's, scaled by the two precisions' block
 // seconds at half the batch; the planner times it (both profiled sizes, and the sizes a plan
 // would run) when a plan or a close rival runs it.
 //
 // A mixed precision is first probed: the baseline's heaviest block, one sample, at both
-// precisions. One that runs over 3x slower is not profiled at all, with a note (bf16 on a CPU
-// without bf16 instructions: 14-17x on the default GPT, and its profile took 48 of 54 s).
+// precisions. One that runs over 3x slower is not profiled at all, with a note: bf16 on a CPU
+// without bf16 instructions runs many times slower, and profiling it would take most of
+// planning for a precision no plan would choose.
 //
 #pragma once
 
@@ -105,11 +105,12 @@ ChainProfile profile_chain(Workload& workload, const Batch& batch, int64_t micro
                            MemoryTracker& tracker);
 
 // Seconds of the plain chain's forward + backward on the first m samples of `batch` at
-// `precision`, for each m of `sizes`: each size's median of three or more runs as in a step (after a
-// first run paying for first use, itself one of them where it took a quarter second or more), the runs alternating with a `reference` point timed before
-// (at its own precision), and each median scaled by the reference's seconds over its median now. So a size timed
-// later is put beside the earlier ones by a ratio measured seconds apart (this machine's speed
-// drifts 2x over minutes). Where the plain chain runs out of memory (a device's real memory),
+// `precision`, for each m of `sizes`: each size's median of three or more runs as in a step
+// (after a first run paying for first use, itself one of them where it took a quarter second or
+// more), the runs alternating with a `reference` point timed before (at its own precision), and
+// each median scaled by the reference's seconds over its median now. So a size timed later is
+// put beside the earlier ones by a ratio measured seconds apart (a shared machine's speed can
+// drift by half over minutes). Where the plain chain runs out of memory (a device's real memory),
 // every block is recomputed in all these runs: the ratio then stands in for the plain one. The
 // caller's random stream is left as it was.
 std::vector<double> time_plain_chain(Workload& workload, const Batch& batch, Precision precision,

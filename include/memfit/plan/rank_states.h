@@ -10,6 +10,7 @@
 #pragma once
 
 #include <ATen/ATen.h>
+#include <nlohmann/json.hpp>
 
 #include <cstdint>
 #include <vector>
@@ -44,6 +45,10 @@ struct RankStateBytes {
 std::vector<RankStateBytes> predicted_rank_states(const std::vector<at::Tensor>& parameters, int world_size,
                                                   int zero_stage, double optimizer_state_per_byte,
                                                   const std::vector<int>& block_of_parameter = {});
+
+// The one JSON form of every rank's state bytes: [{"rank", "weights", "gradients",
+// "optimizer_state"}, ...] in rank order (reports, summaries, the HTML report).
+nlohmann::json ranks_json(const std::vector<RankStateBytes>& ranks);
 
 // ZeRO 3: per block of `blocks` (each block's parameters), its bytes in full and per rank.
 std::vector<GatheredBlockBytes> gathered_block_bytes(const std::vector<std::vector<at::Tensor>>& blocks, int world_size);

@@ -9,15 +9,18 @@
 //   categories                         keys, e.g. weights, gradients, optimizer_state,
 //                                      activations, other
 //   at_peak                            {category: bytes} at the peak
-//   timeline                           [{t_us, phase, <category>: bytes, ...}]
+//   timeline                           [{t_us, phase, <category>: bytes, ..., <reserved key>?}]
+//   reserved_series     (optional)     {key, label, peak_bytes}: a line over the areas, e.g.
+//                                      what a CUDA caching allocator would reserve
 //   phases                             [{name, start_us, end_us, peak_bytes}]
 //   blocks              (optional)     [{name, activation_bytes, recomputed}]
 //   plan                (optional)     {rows: [[label, value], ...]}
 //   steps               (optional)     [{step, loss, live_bytes, peak_bytes, eval_loss?}]
 //
 // Stable element ids for tests: timeline-chart, peak-value (data-bytes),
-// blocks-chart, plan-table, steps-chart; legend entries have class
-// "legend-item" and data-category.
+// reserved-peak (data-bytes), blocks-chart, plan-table, steps-chart; legend
+// entries have class "legend-item" and data-category; the reserved line is a
+// path of class "reserved-line".
 #pragma once
 
 #include <string>

@@ -11,7 +11,9 @@
 #include <vector>
 
 #include "memfit/measure/breakdown.h"
+#include "memfit/measure/cuda_reserved.h"
 #include "memfit/plan/rank_states.h"
+#include "memfit/report/document.h"
 #include "memfit/runtime/step_config.h"
 #include "memfit/runtime/workload.h"
 
@@ -46,24 +48,20 @@ struct Report {
   // ZeRO 3: the largest block's weights, which each rank gathers in full while it runs (on
   // top of the shards above, with that block's full gradients until they are reduced).
   int64_t largest_gathered_block_bytes = 0;
+  // What the run (every step, from the first) would reserve on a CUDA device; its series covers
+  // the last step, one value per timeline point of `analysis`.
+  CudaReservedPrediction cuda;
 };
 
 // Runs `options.steps` steps of the workload under a MemoryTracker of its own (installed on
-// this thread for the call) and explains the last. The workload's weights and buffers existed
+// this thread for the call) and explains the last; the whole run's allocations are replayed on
+// the CUDA caching allocator model (PYTORCH_CUDA_ALLOC_CONF is read: OptionError if malformed). The workload's weights and buffers existed
 // before: they are known by their tensors, not by their allocation. Throws OptionError.
 Report run_report(Workload& workload, const ReportOptions& options);
 
 // The JSON of `memfit report --json` (bytes as integers).
 nlohmann::json report_json(const Report& report);
-// The document the HTML report draws (timeline by category, phases, blocks, ranks).
-nlohmann::json report_chart_document(const Report& report);
-
-// The part of that document that describes one analysed step; `memfit train` adds its plan,
-// steps and budget to it. block_names and recomputed: one entry per block of the chain.
-nlohmann::json step_chart_document(const std::string& title, const std::string& device, const StepAnalysis& analysis,
-                                   const std::vector<std::string>& block_names, const std::vector<bool>& recomputed);
-
-// [{"rank", "weights", "gradients", "optimizer_state"}, ...] for reports and summaries.
-nlohmann::json ranks_json(const std::vector<RankStateBytes>& ranks);
+// The HTML report's document of a report: its analysed step and per-rank state.
+ReportDocument report_document(const Report& report);
 
 }  // namespace memfit

@@ -49,7 +49,7 @@ struct CheckpointPlan {
 using BlockForward = BlockFn;
 
 // Runs block `index` on `x` in place of the chain's own call, given `run`, the block's own
-// forward (tagged with its index): ZeRO 3 (train/distributed.h) gathers the block's sharded
+// forward (tagged with its index): ZeRO 3 (train/zero_sharded.h) gathers the block's sharded
 // weights around it and recomputes it in backward.
 using BlockRunner = std::function<at::Tensor(int index, const at::Tensor& x, const BlockFn& run)>;
 
@@ -73,6 +73,7 @@ class Chain : public torch::nn::Module {
   // How errors and notes name block `index`: "block 2 (embed)"; a TorchScript block, named
   // "<child>:<type>", "block 2:relu (ReLU)".
   std::string describe_block(int index) const;
+  std::vector<std::string> block_names() const;  // in order: what reports and plans name blocks by
   // The parameters blocks [first, last] read, each once.
   std::vector<at::Tensor> block_parameters(int first, int last) const;
   std::vector<at::Tensor> block_buffers(int first, int last) const;

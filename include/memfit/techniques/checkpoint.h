@@ -38,7 +38,7 @@ using BlockFn = std::function<at::Tensor(const at::Tensor&)>;
 at::Tensor checkpoint(BlockFn block, const at::Tensor& input, at::TensorList params, std::vector<at::Tensor> buffers = {},
                       bool block_may_write_input = false);
 
-// A block whose parameters exist in full only while gathered (ZeRO 3, train/distributed.h):
+// A block whose parameters exist in full only while gathered (ZeRO 3, train/zero_sharded.h):
 // the hooks make `params` hold their full values, free them again, and turn the full
 // gradients of `params` (undefined where unused) into this process's shard's gradient.
 struct GatheredParams {

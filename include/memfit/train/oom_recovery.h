@@ -10,7 +10,7 @@
 #pragma once
 
 #include <cstdint>
-#include <iosfwd>
+#include <functional>
 #include <string>
 
 #include "memfit/runtime/step.h"
@@ -20,8 +20,9 @@ namespace memfit {
 class SplitRecovery : public OomRecovery {
  public:
   // local_batch: this rank's samples; global_batch: all ranks' (micro-batch weights are
-  // shares of it). planned: the schedule the step runs with. Messages go to `out`.
-  SplitRecovery(int64_t local_batch, int64_t global_batch, int blocks, std::ostream& out, bool tty);
+  // shares of it). `note` hears what each recovery does, in a sentence.
+  using Note = std::function<void(const std::string&)>;
+  SplitRecovery(int64_t local_batch, int64_t global_batch, int blocks, Note note = {});
 
   void begin_step(int64_t step, const CheckpointPlan& planned, const std::string& budget_text);
   OomDecision on_out_of_memory(const PendingMicroBatch& failed, bool partial_sums,
@@ -35,11 +36,11 @@ class SplitRecovery : public OomRecovery {
  private:
   OomDecision restart(int64_t m, bool recompute_all) const;
   [[noreturn]] void give_up(const c10::OutOfMemoryError& error) const;
+  void say(const std::string& text) const;
 
   int64_t local_batch_, global_batch_;
   int blocks_;
-  std::ostream& out_;
-  bool tty_;
+  Note note_;
   int64_t step_ = 0;
   bool plan_recomputes_all_ = false;
   std::string budget_text_;

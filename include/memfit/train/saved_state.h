@@ -35,6 +35,26 @@
 
 namespace memfit {
 
+// The meta record a training run saves in the head: what a resumed run must match (model,
+// batch, optimizer) and the plan it continues with (plan_json; read with plan_from_json).
+// One JSON form, read as strictly as plans: every field present and of its type.
+struct SavedMeta {
+  static constexpr int kVersion = 3;
+  int64_t step = 0;
+  int64_t batch = 0;
+  uint64_t seed = 0;
+  std::string model;              // the workload's description
+  int64_t parameters = 0;         // of the whole model
+  OptimizerFamily optimizer = OptimizerFamily::kAdamW;
+  StatePrecision optimizer_state = StatePrecision::kFP32;
+  nlohmann::json plan;            // plan_json of the plan that ran
+
+  nlohmann::json to_json() const;
+  // Throws std::invalid_argument naming the field that is missing or malformed, or a version
+  // other than kVersion.
+  static SavedMeta from_json(const nlohmann::json& json);
+};
+
 // One part of a model's state: named parameters (with their optimizer state) and buffers.
 struct StatePart {
   std::vector<std::string> parameter_names;

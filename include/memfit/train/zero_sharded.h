@@ -1,0 +1,112 @@
+// zero_sharded.h — ZeRO stage 3 (Rajbhandari et al. 2020): weights, gradients and optimizer
+// state all ~ 1/N per rank.
+//
+// Each block's parameters are laid out flat (in order, padded to a multiple of N) and rank r
+// keeps elements [r*s, (r+1)*s) as one leaf tensor, its shard, which the optimizer steps (any
+// family: elementwise ones give single-process numbers). Between uses the chain's parameters
+// hold no storage. The chain runs each block through checkpoint_gathered
+// (techniques/checkpoint.h): its parameters are gathered (one c10d broadcast per owner) before
+// its forward and again before its recompute and backward, released after each, and as soon as
+// its backward ends its full gradients are summed for their owners, range by range, along a
+// chain of c10d sends in rank order (Gloo has no reduce_scatter, and its reduce sums in an
+// order of its own): the sums, so the weights, equal single-process training bit for bit. At
+// most one block is gathered at a time.
+//
+// Saving gathers one block at a time on rank 0 (its weights and fp32 optimizer state), which
+// writes that block's part of the single-process format; resuming reads one block's part at a
+// time and keeps this rank's shards of it.
+#pragma once
+
+#include <functional>
+#include <optional>
+
+#include "memfit/train/strategy.h"
+
+namespace memfit {
+
+class ZeroSharded : public Strategy {
+ public:
+  // Checks and broadcasts as ZeroReplicated does, then shards every block: the chain's
+  // parameters lose their storage here and the chain runs its blocks through this object from
+  // now on (it must outlive every forward and backward of the chain). Throws OptionError for a
+  // parameter shared by two blocks, frozen, or of another dtype or device than its block's.
+  ZeroSharded(std::unique_ptr<ProcessGroup> group, Chain& chain);
+  ~ZeroSharded() override;
+
+  // Bytes of all parameters, and of this rank's shards (padding included).
+  int64_t parameter_bytes() const { return total_bytes_; }
+  int64_t owned_bytes() const { return owned_bytes_; }
+  // Each block of the chain: its parameters' bytes in full, and this rank's shard of them (0
+  // and 0 for a block without parameters). What the planner counts.
+  std::vector<GatheredBlockBytes> block_bytes() const;
+
+  std::string describe() const override;
+  // This rank's shard of every block with parameters.
+  std::vector<at::Tensor> optimized_parameters() const override;
+  std::vector<at::Tensor> held_parameters() const override { return optimized_parameters(); }
+  void add_to_plan_request(PlanRequest& request, const MeasuredCosts& costs, const StateUse& state) const override;
+  // Timing gathers the whole model: a collective the other ranks would not join.
+  bool times_micro_batches_alone() const override { return false; }
+  std::unique_ptr<WholeModelScope> whole_model() override;
+
+  void save(const SaveRequest& request) override;
+  void resume(SavedState& saved, torch::optim::Optimizer& optimizer, const OptimizerSpec& spec,
+              c10::Device device) override;
+  std::string weights_sha256(const std::string& dump_path) override;
+  bool holds_whole_model() const override { return false; }
+
+  // Every rank calls these ------------------------------------------------------------------
+  // Gathers the blocks one at a time, in order, calls `visit` with each block's parameters
+  // (full values) and releases them: hashing, dumping. One block's bytes at a time.
+  void for_each_gathered_block(const std::function<void(const std::vector<at::Tensor>&)>& visit);
+  // Saving, one block at a time (fp32 state of any family): for each block in order, rank 0
+  // receives every rank's shard of its weights (into the chain's parameters) and of their
+  // optimizer state, runs `write(block, state)` with the state of each of the block's parameters
+  // (Chain::block_parameters order; none before the first step), then releases the block.
+  // Blocks without parameters are written too. Rank 0 holds at most the largest block's weights
+  // and state beside its shards (the plan counts those bytes).
+  using BlockState = std::vector<std::optional<ParamStateRecord>>;  // per parameter of a block
+  void for_each_gathered_block_state(torch::optim::Optimizer& sharded, const OptimizerSpec& spec,
+                                     const std::function<void(int block, const BlockState& state)>& write);
+  // Resuming, one block at a time: for each block in order, the block is gathered, `load(block)`
+  // fills its parameters (whole values) and returns their saved state, and each rank keeps its
+  // range of both (the state moved into `sharded`); then the block is released. Throws
+  // std::runtime_error if a block's parameters were saved with unequal optimizer steps (a shard
+  // has one).
+  void load_block_states(const std::function<BlockState(int block)>& load, torch::optim::Optimizer& sharded,
+                         const OptimizerSpec& spec);
+
+ private:
+  // One block's parameters, laid out flat.
+  struct BlockShard {
+    int block = 0;
+    std::vector<at::Tensor> params;  // the chain's; 0 elements while not gathered
+    std::vector<int64_t> offsets;    // each parameter's first element in the flat layout
+    std::vector<std::vector<int64_t>> shapes;  // each parameter's shape in full
+    int64_t numel = 0;               // the parameters' elements
+    int64_t shard_numel = 0;         // s: each rank's elements, numel padded to a multiple of N, / N
+    at::Tensor shard;                // this rank's s elements: a leaf requiring grad
+  };
+  class GatheredModel;
+  BlockShard make_shard(int block);
+  void install_runner();  // the chain runs its blocks through run_block
+  void gather(BlockShard& b);
+  void set_views(BlockShard& b, const at::Tensor& flat);  // the parameters become views of a flat block
+  at::Tensor own_range(const BlockShard& b, const at::Tensor& flat) const;  // this rank's s elements of a flat block
+  at::Tensor gather_to_rank0(const at::Tensor& piece, int64_t s, const char* what);  // rank 0: all ranks' pieces
+  BlockState gather_state_to_rank0(BlockShard& b, torch::optim::Optimizer& sharded, const char* what);
+  void keep_own_state(BlockShard& b, const BlockState& state, torch::optim::Optimizer& sharded, const OptimizerSpec& spec);
+  void release(BlockShard& b);
+  at::Tensor reduce_to_shard(BlockShard& b, std::vector<at::Tensor> full_grads);
+  at::Tensor sum_in_rank_order(at::Tensor mine, int owner);
+  at::Tensor run_block(int index, const at::Tensor& x, const BlockFn& run);
+  // Runs `use`, then releases block b, also when `use` throws.
+  void release_after(BlockShard& b, const std::function<void()>& use);
+
+  int64_t total_bytes_ = 0;
+  int64_t owned_bytes_ = 0;
+  std::vector<BlockShard> shards_;     // the blocks with parameters, in order
+  std::vector<int> shard_of_block_;    // index into shards_ per block, -1 without parameters
+};
+
+}  // namespace memfit

@@ -1,0 +1,81 @@
+// The Strategy base, what data-parallel strategies share, and the registration of every
+// strategy: make_strategy and check_strategy_options are the one place that maps options to one.
+#include "memfit/train/strategy.h"
+
+#include <torch/torch.h>
+
+#include "memfit/errors.h"
+#include "memfit/train/single_process.h"
+#include "memfit/train/zero_replicated.h"
+#include "memfit/train/zero_sharded.h"
+
+namespace memfit {
+
+Strategy::Strategy(std::unique_ptr<ProcessGroup> group, Chain& chain) : chain_(chain), group_(std::move(group)) {}
+Strategy::~Strategy() = default;
+
+bool Strategy::optimizer_step(torch::optim::Optimizer& optimizer, const StepOptions& options) {
+  return memfit::optimizer_step(optimizer, options);
+}
+
+std::unique_ptr<Strategy> make_strategy(const DistributedOptions& options, Chain& chain) {
+  if (!options.enabled()) return std::make_unique<SingleProcess>(chain);
+  auto group = std::make_unique<ProcessGroup>(options);  // first: a bad master fails before any work
+  if (options.zero_stage == 3) return std::make_unique<ZeroSharded>(std::move(group), chain);
+  return std::make_unique<ZeroReplicated>(std::move(group), chain, options.zero_stage);
+}
+
+void check_strategy_options(const DistributedOptions& o, const StepConfig& step, bool precision_pinned,
+                            bool checkpoint_pinned, const StateUse& state, int blocks) {
+  validate(o);
+  if (!o.enabled()) return;
+  check_option(!(o.zero_stage > 0 && precision_pinned && step.precision == Precision::kFP16), "precision", "fp16",
+               "fp16 with ZeRO 1 or 2 is not supported: the loss scaler's overflow check would see one shard only");
+  if (o.zero_stage != 3) return;
+  check_option(!((state.saves || state.resumes) && step.optimizer.state == StatePrecision::k8Bit), "optimizer.state", "8bit",
+               "saving and resuming at ZeRO 3 need fp32 state (8-bit blocks would straddle parameters)");
+  check_option(!(checkpoint_pinned && step.checkpoint.recomputed_blocks().size() != static_cast<size_t>(blocks)),
+               "checkpoint", step.checkpoint.describe(), "ZeRO 3 recomputes every block: expected all");
+}
+
+BatchSlice rank_slice(int64_t batch, int rank, int world_size) {
+  if (world_size < 1 || rank < 0 || rank >= world_size) {
+    throw std::invalid_argument("rank_slice: rank " + std::to_string(rank) + " outside a world of " + std::to_string(world_size));
+  }
+  const int64_t base = batch / world_size, extra = batch % world_size;
+  BatchSlice s;
+  s.start = rank * base + std::min<int64_t>(rank, extra);
+  s.length = base + (rank < extra ? 1 : 0);
+  return s;
+}
+
+void start_from_rank0_weights(ProcessGroup& group, const std::vector<at::Tensor>& params, int zero_stage) {
+  int64_t bytes = 0;
+  for (const auto& p : params) bytes += static_cast<int64_t>(p.nbytes());
+  group.check_same_on_all_ranks({{"the number of parameters", static_cast<int64_t>(params.size())},
+                                 {"the parameter bytes (the model's shape)", bytes},
+                                 {"zero_stage", zero_stage}});
+  at::NoGradGuard no_grad;
+  PendingCollectives pending(group, "broadcasting the initial weights");
+  for (const auto& p : params) pending.broadcast(p.detach(), 0);
+  pending.wait();
+}
+
+WeightsDump::WeightsDump(const std::string& path) {
+  if (path.empty()) return;
+  file_.open(path, std::ios::binary);
+  check_option(static_cast<bool>(file_), "dump_weights", "'" + path + "'", "cannot create it");
+}
+
+void WeightsDump::write(const at::Tensor& p) {
+  if (!file_.is_open()) return;
+  const at::Tensor c = p.detach().to(c10::kCPU, at::kFloat).contiguous();
+  file_.write(static_cast<const char*>(c.data_ptr()), static_cast<std::streamsize>(c.numel() * 4));
+}
+
+void dump_weights(const std::string& path, const std::vector<at::Tensor>& params) {
+  WeightsDump dump(path);
+  for (const auto& p : params) dump.write(p);
+}
+
+}  // namespace memfit
