@@ -107,12 +107,13 @@ Planner measured_planner(Workload& w, const Batch& data, MemoryTracker& tracker)
   return measure_and_plan(w, data, {Precision::kFP32}, request, tracker);
 }
 
-// A verified run of `plan` on `w`: the prediction's relative error, at most 3% under and 5% over
-// the measured peak. (The model counts a block's input alive through all of the block's
-// backward; in a chain it goes when its last use is done. Here one activation is 3-5% of the
-// whole step, so the safe side gets the wider bound.)
-double prediction_error(Workload& w, const Planner& planner, Plan plan, MemoryTracker& tracker, const std::string& what) {
-  Verification v = verify_plan(w, planner, plan, tracker, /*measure_plain=*/false);
+// A verified run of `plan` on `w` with `data` (the batch the planner counts as resident) alive:
+// the prediction's relative error: at most 3% under and 5% over the measured peak. (The whole
+// step is about 1 MB at micro-batches of 1 and 2, where the model counts some 30 KB more than
+// the allocator sees: 3% of it; one activation counted wrongly shows as 5-10%.)
+double prediction_error(Workload& w, const Planner& planner, Plan plan, const Batch& data, MemoryTracker& tracker,
+                        const std::string& what) {
+  Verification v = verify_plan(w, planner, plan, tracker, /*measure_plain=*/false, 3, &data);
   EXPECT_GT(v.measured_peak, 0) << what;
   const double error = static_cast<double>(plan.predicted_peak - v.measured_peak) /
                        static_cast<double>(std::max<int64_t>(1, v.measured_peak));
@@ -138,13 +139,15 @@ TEST(InPlaceFirstOpsTest, EverySegmentAndMicroBatchIsPredictedClosely) {
     for (int first = 0; first + length <= n; ++first) {
       const CheckpointPlan segment{{{first, first + length - 1}}};
       const Plan plan = planner.evaluate(16, Precision::kFP32, segment, int64_t{1} << 40);
-      worst = std::max(worst, std::abs(prediction_error(w, planner, plan, *tracker, "recompute " + segment.describe())));
+      const std::string what = "recompute " + segment.describe();
+      worst = std::max(worst, std::abs(prediction_error(w, planner, plan, data, *tracker, what)));
     }
   }
   for (int64_t m : {1, 2, 4, 8}) {
     for (const CheckpointPlan& c : {CheckpointPlan::none(), CheckpointPlan::all(n)}) {
       const Plan plan = planner.evaluate(m, Precision::kFP32, c, int64_t{1} << 40);
-      worst = std::max(worst, std::abs(prediction_error(w, planner, plan, *tracker, "micro-batch " + std::to_string(m))));
+      const std::string what = "micro-batch " + std::to_string(m);
+      worst = std::max(worst, std::abs(prediction_error(w, planner, plan, data, *tracker, what)));
     }
   }
   ::testing::Test::RecordProperty("worst_error", std::to_string(worst));
@@ -222,7 +225,7 @@ TEST(TiedWeightsTest, BytesArePredictedClosely) {
   for (int64_t m : {1, 4, 16}) {
     for (const CheckpointPlan& c : {CheckpointPlan::none(), CheckpointPlan::all(3)}) {
       const Plan plan = planner.evaluate(m, Precision::kFP32, c, int64_t{1} << 40);
-      prediction_error(w, planner, plan, *tracker, "micro-batch " + std::to_string(m) + ", recompute " + c.describe());
+      prediction_error(w, planner, plan, data, *tracker, "micro-batch " + std::to_string(m) + ", recompute " + c.describe());
     }
   }
 }
