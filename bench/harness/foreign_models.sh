@@ -1,14 +1,15 @@
 #!/usr/bin/env bash
-# memfit on models its authors did not write (bench/foreign_models.py: torchvision's ResNet-18
+# memfit on models its authors did not write (bench/harness/foreign_models.py: torchvision's ResNet-18
 # and MobileNetV2, a GPT-2 of traced blocks with tied embeddings): each model's plain step is
 # measured, then `memfit plan` runs at 60/45/30% of that peak; each plan is verified with real
 # steps (measured <= budget) and its prediction compared with the measurement.
 #
-#   bash bench/foreign_models.sh MEMFIT [OUT_DIR] [MODEL ...]
+#   bash bench/harness/foreign_models.sh MEMFIT [OUT_DIR] [MODEL ...]
 #
 # Environment: BATCH (32 for the image models, 16 for the GPT: activations well above the
 # weights, gradients and AdamW state, so that 30% of the plain step can fit), PRECISION (fp32;
-# auto plans bf16 too where autocast runs it), PERCENTS ("60 45 30"). Prints a markdown table
+# auto plans bf16 too where autocast runs it), PERCENTS ("60 45 30"), MICRO ("auto": the planner
+# picks the micro-batch; sizes listed, e.g. "auto 4", also plan with it pinned). Prints a markdown table
 # (and OUT_DIR/foreign_models.jsonl).
 set -u
 memfit=$(realpath "${1:?usage: foreign_models.sh MEMFIT [OUT_DIR] [MODEL ...]}")
@@ -20,6 +21,7 @@ python=${MEMFIT_TEST_PYTHON:-/usr/bin/python3}
 batch_of() { case $1 in gpt*) echo "${BATCH:-16}" ;; *) echo "${BATCH:-32}" ;; esac; }
 precision=${PRECISION:-fp32}
 percents=${PERCENTS:-60 45 30}
+micro_batches=${MICRO:-auto}
 models=("$@")
 [ ${#models[@]} -eq 0 ] && models=(resnet18 mobilenet_v2 gpt2_traced)
 source "$here/quiet_env.sh"
@@ -49,8 +51,12 @@ for model in "${models[@]}"; do
     failed+=("$model, plain step: $(tail -1 "$out/err.txt")"); continue
   fi
   plain=$(tail -1 "$log" | "$python" -c 'import json, sys; print(json.load(sys.stdin)["measured"])')
-  for pct in $percents; do
-    plan "$model" $((plain * pct / 100)) --precision "$precision" || failed+=("$model at $pct%: $(tail -1 "$out/err.txt")")
+  for micro in $micro_batches; do
+    pin=(); [ "$micro" != auto ] && pin=(--micro-batch "$micro")
+    for pct in $percents; do
+      plan "$model" $((plain * pct / 100)) --precision "$precision" "${pin[@]}" \
+        || failed+=("$model at $pct%, micro-batch $micro: $(tail -1 "$out/err.txt")")
+    done
   done
 done
 "$python" - "$log" <<'PY'
@@ -66,7 +72,7 @@ for r in rows:
     plan = f'{r["precision"]}, {r["micro_batch"]} x {r["batch"] // r["micro_batch"]}, recompute {",".join(map(str, r["recomputed"])) or "none"}'
     error = 100.0 * (r["predicted"] - r["measured"]) / r["measured"]
     ok = "yes" if r["measured"] <= r["budget"] else "NO"
-    print(f'| {r["model"]} | {share}% ({r["budget"]} B) | {plan} | {r["predicted"]} | {r["measured"]} | {error:+.1f}% | {ok} |')
+    print(f'| {r["model"]} | {share}% ({r["budget"]} B) | {plan} | {r["predicted"]} | {r["measured"]} | {error:+.2f}% | {ok} |')
 print()
 print("plain steps (measured):", ", ".join(f"{m} {b} B" for m, b in plain.items()))
 PY
