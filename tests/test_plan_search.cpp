@@ -20,7 +20,8 @@ BlockCost block_at(int64_t m, int64_t act, double seconds_per_sample, int64_t pa
   c.kept_bytes = act * m + c.output_bytes;
   c.forward_peak = act * m + c.output_bytes;
   c.forward_nograd_peak = 2 * c.output_bytes;
-  c.backward_peak = act * m + params;
+  c.backward_peak = act * m + params + c.output_bytes;  // (the output's gradient arrives first)
+  c.backward_peak_accumulating = act * m + c.output_bytes;
   c.param_bytes = params;
   return c;
 }
@@ -451,6 +452,7 @@ TEST(PlanSearchTest, Zero3CountsShardsAndOneGatheredBlockAtATime) {
     b.forward_peak += 40000;
     b.forward_nograd_peak += 40000;
     b.backward_peak += 40000;
+    b.backward_peak_accumulating += 40000;
     b.param_bytes = 20000;
   }
   const int64_t optimizer_peak = 4 * 20000 + 4 * 20000 + 2 * 4 * 20000 + 20000 + 8 * 100;

@@ -35,7 +35,7 @@ void check_budgets(ModelOptions model, int64_t batch) {
       EXPECT_GT(plan.floor_bytes, budget) << percent << "%";
       continue;
     }
-    Verification v = verify_plan(w, planner, plan, *tracker, /*measure_plain=*/false);
+    Verification v = verify_plan(w, planner, plan, *tracker, /*measure_plain=*/false, 3, &data);
     EXPECT_LE(v.measured_peak, budget) << percent << "%";
     const double error = std::abs(static_cast<double>(plan.predicted_peak - v.measured_peak)) /
                          static_cast<double>(v.measured_peak);
@@ -87,7 +87,7 @@ TEST(PlannerTest, EverySegmentPlacementIsPredictedClosely) {
       CheckpointPlan checkpoint;
       checkpoint.segments = {{first, first + length - 1}};
       Plan plan = planner.evaluate(8, Precision::kFP32, checkpoint, int64_t{1} << 40);
-      Verification v = verify_plan(w, planner, plan, *tracker, /*measure_plain=*/false);
+      Verification v = verify_plan(w, planner, plan, *tracker, /*measure_plain=*/false, 3, &data);
       const double error = std::abs(static_cast<double>(plan.predicted_peak - v.measured_peak)) /
                            static_cast<double>(v.measured_peak);
       EXPECT_LE(error, 0.03) << "recompute " << checkpoint.describe() << ": predicted " << plan.predicted_peak

@@ -26,6 +26,10 @@ ChainCosts random_chain(std::mt19937& rng, int n) {
     b.forward_peak = b.kept_bytes + small(rng);
     b.forward_nograd_peak = b.output_bytes + small(rng);
     b.backward_peak = small(rng) + b.output_bytes;
+    b.backward_peak_accumulating = small(rng);
+    b.backward_held_input_bytes = small(rng) % (b.output_bytes + 1);
+    b.backward_held_by_segment_bytes = small(rng) % (b.output_bytes + 1);
+    b.backward_held_all_bytes = b.backward_held_input_bytes + b.backward_held_by_segment_bytes;
     b.param_bytes = param(rng);
     c.blocks.push_back(b);
   }
@@ -162,6 +166,10 @@ TEST(ScheduleTest, FortyEightBlocksWithFineSlotsFitWithinOneSlotPerUnit) {
     b.forward_peak *= 1 << 20;
     b.forward_nograd_peak *= 1 << 18;
     b.backward_peak *= 1 << 20;
+    b.backward_peak_accumulating *= 1 << 20;
+    b.backward_held_input_bytes *= 1 << 18;
+    b.backward_held_by_segment_bytes *= 1 << 18;
+    b.backward_held_all_bytes *= 1 << 18;
     b.param_bytes *= 1 << 16;
   }
   c.fixed_bytes = 100 << 20;

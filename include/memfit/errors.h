@@ -27,6 +27,20 @@ class OptionError : public std::invalid_argument {
   std::string option_, value_, expected_;
 };
 
+// The line of an error message that says what went wrong. A TorchScript interpreter error
+// starts "The following operation failed in the TorchScript interpreter.", then both
+// tracebacks; its cause is the innermost error, the last line (its Python type, as
+// "RuntimeError: ", dropped). Any other message: its first line.
+std::string error_cause(const std::string& what);
+
+// `text` fit for one line of a terminal: each byte that is not printable ASCII or part of valid
+// UTF-8 as \xNN (newlines and tabs as \n and \t), cut to about `max_bytes` with "..." (at a
+// character's start). For text that may hold a file's bytes (parser errors quote them).
+std::string printable(const std::string& text, size_t max_bytes = 400);
+
+// A number as the shortest text that reads back as it: 2147483648, 0.001, 1e+300.
+std::string number_text(double value);
+
 // Throws OptionError(option, value, expected) unless `ok`.
 template <class Value>
 void check_option(bool ok, const std::string& option, const Value& value, const std::string& expected) {

@@ -174,7 +174,7 @@ int run_plan_command(WorkloadFlags& wf, const StepFlags& sf, const PlanFlags& f)
   const double solve_s = seconds_since(t1);
   Verification v;
   const bool verified = f.verify && plan.feasible;
-  if (verified) v = verify_plan(w, job.planner(), plan, *tracker, /*measure_plain=*/true, f.verify_steps);
+  if (verified) v = verify_plan(w, job.planner(), plan, *tracker, /*measure_plain=*/true, f.verify_steps, &batch);
   const CostsSource& source = job.source();
   plan.notes.insert(plan.notes.begin(), source.notes.begin(), source.notes.end());
   plan.notes.insert(plan.notes.begin(), w.notes.begin(), w.notes.end());

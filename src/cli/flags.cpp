@@ -45,7 +45,9 @@ void add_step_flags(CLI::App& app, StepFlags& f, bool planned) {
   app.add_option("--optimizer", f.optimizer, "adamw | adam | sgd | rmsprop | adagrad")->capture_default_str();
   app.add_option("--lr", f.lr, "learning rate")->capture_default_str();
   app.add_option("--momentum", f.momentum, "sgd, rmsprop: momentum")->capture_default_str();
-  app.add_option("--weight-decay", f.weight_decay, "weight decay (default: adamw 0.01, others 0)");
+  app.add_option("--weight-decay", f.weight_decay, "weight decay: 0 <= D < 1 (default: adamw 0.01, others 0)");
+  app.add_flag("--large-weight-decay", f.large_weight_decay,
+               "accept --weight-decay of 1 or more (rarely meant: a slip of the decimal point decays every weight away)");
   app.add_option("--betas", f.betas, "adam, adamw: B1,B2")->capture_default_str();
   app.add_option("--optimizer-state", f.optimizer_state,
                  std::string("adam, adamw: fp32 | 8bit (blockwise 8-bit moments, ~1/4 of the bytes)") +
@@ -99,6 +101,12 @@ c10::Device parse_device(const std::string& text) {
 }
 
 OptimizerSpec optimizer_spec(const StepFlags& f) {
+  // The library takes any finite decay >= 0 (a C++ caller who writes 5 means it); from the
+  // command line 1 or more is far likelier a typo, and accepted only when asked for.
+  if (f.weight_decay && !f.large_weight_decay) {
+    check_option(*f.weight_decay < 1, "optimizer.weight_decay", number_text(*f.weight_decay),
+                 "expected 0 <= weight decay < 1 (--large-weight-decay accepts 1 or more)");
+  }
   OptimizerSpec s;
   s.family = parse_optimizer_family(f.optimizer);
   s.lr = f.lr;

@@ -32,6 +32,7 @@ struct StepFlags {
   double lr = 1e-3;
   double momentum = 0;
   std::optional<double> weight_decay;
+  bool large_weight_decay = false;  // accept --weight-decay >= 1
   std::string betas = "0.9,0.999";
   std::string optimizer_state = "fp32";  // fp32 | 8bit | auto (report: fp32 | 8bit)
   std::string profile_cache;  // plan and train: a directory, or none ("": the default one)

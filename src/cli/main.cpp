@@ -132,11 +132,28 @@ void require_decimal_integers(CLI::App& app) {
   for (CLI::App* sub : app.get_subcommands([](CLI::App*) { return true; })) require_decimal_integers(*sub);
 }
 
-// One "memfit: " prefix, whatever the library's message starts with.
+// CLI11 reads an empty value as 0 for a number (--momentum '' ran with momentum 0, --lr '' was
+// refused as "--lr 0"), and an empty --budget reads as none given: every number and size
+// option refuses an empty value, naming the flag.
+void refuse_empty_numbers(CLI::App& app) {
+  const auto refuse_empty = [](const std::string& expected) {
+    return CLI::Validator([expected](std::string& text) { return text.empty() ? "'': expected " + expected : ""; }, "");
+  };
+  for (CLI::Option* option : app.get_options()) {
+    const std::string type = option->get_type_name();
+    if (type == "FLOAT" || type == "INT" || type == "UINT") option->check(refuse_empty("a number"));
+    if (option->check_name("--budget")) option->check(refuse_empty("a size such as 512MiB, 1.5GiB or 1e9"));
+  }
+  for (CLI::App* sub : app.get_subcommands([](CLI::App*) { return true; })) refuse_empty_numbers(*sub);
+}
+
+// One line: one "memfit: " prefix, whatever the library's message starts with; the line that
+// says the cause (for a TorchScript error, the innermost); nothing raw from a file (parser
+// errors quote what they read), and not too long.
 void print_error(const std::string& message) {
   const std::string prefix = "memfit: ";
   const std::string text = message.rfind(prefix, 0) == 0 ? message.substr(prefix.size()) : message;
-  std::fprintf(stderr, "memfit: %s\n", in_flag_terms(text.substr(0, text.find('\n'))).c_str());
+  std::fprintf(stderr, "memfit: %s\n", in_flag_terms(printable(error_cause(text))).c_str());
 }
 
 // Runs the parsed subcommand; library errors become one line (flag names for bad options).
@@ -193,6 +210,7 @@ int main(int argc, char** argv) {
   CLI::App* plan = add_plan(app, plan_w, plan_s, plan_f);
   CLI::App* train = add_train(app, train_w, train_s, train_f);
   CLI::App* launch_cmd = add_launch(app, launch_o);
+  refuse_empty_numbers(app);
   require_decimal_integers(app);
   if (const std::string bad = out_of_range_integer(argc, argv); !bad.empty()) {
     std::fprintf(stderr, "memfit: %s\n", bad.c_str());
@@ -207,7 +225,7 @@ int main(int argc, char** argv) {
   } catch (const CLI::CallForVersion& e) {
     return app.exit(e);
   } catch (const CLI::ParseError& e) {
-    std::fprintf(stderr, "memfit: %s (see memfit --help)\n", e.what());
+    std::fprintf(stderr, "memfit: %s (see memfit --help)\n", printable(e.what()).c_str());
     return 2;
   }
   if (report->parsed()) return dispatch([&] { return run_report_command(report_w, report_s, report_f); });

@@ -256,6 +256,7 @@ void Planner::add_gathered_blocks(ChainCosts& c, int prefetch_depth) const {
     b.forward_nograd_peak += g.full + ahead[k].first;
     b.forward_peak += g.full + ahead[k].second;
     b.backward_peak += g.full + ahead[k].second;
+    b.backward_peak_accumulating += g.full + ahead[k].second;
     b.param_bytes = g.shard;
     b.cast_bytes = 0;
   }

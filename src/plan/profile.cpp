@@ -7,10 +7,12 @@
 #include <cstdio>
 #include <limits>
 
+#include "memfit/errors.h"
 #include "memfit/runtime/step.h"
 #include "memfit/techniques/optimizer_8bit.h"
 #include "memfit/techniques/grads.h"
 #include "memfit/techniques/rng.h"
+#include "plan/profile_block.h"
 #include "runtime/json_fields.h"
 
 namespace memfit {
@@ -174,104 +176,6 @@ void calibrate(PrecisionProfile& pp, int64_t measured) {
 
 }  // namespace
 
-namespace {
-
-// One block of a profiled chain: what it costs, the next block's input, and whether this
-// block kept its own input for backward (then the previous block's output stays alive).
-struct BlockRun {
-  BlockCost cost;
-  double forward_nograd_seconds = 0;
-  at::Tensor next_input;
-  bool kept_input = false;
-};
-
-// Block i alone on input x (detached): its forward without grad (as inside a checkpointed
-// segment), then forward + backward with grad, once (the chain ran before: warm). The last
-// block carries the loss.
-BlockRun run_block(Workload& w, int i, const at::Tensor& x, const at::Tensor& target, Precision precision,
-                   MemoryTracker& tracker) {
-  Chain& chain = *w.chain;
-  const Block& block = chain.block(i);
-  const bool last = i == chain.size() - 1;
-  const auto device = x.device().type();
-  BlockRun r;
-  BlockCost& c = r.cost;
-  const auto block_params = block.module->parameters();
-  // The parameter's own bytes, not its storage's: at ZeRO 3 a block's parameters are views of
-  // one flat buffer.
-  for (const auto& p : block_params) c.param_bytes += static_cast<int64_t>(p.nbytes());
-  if (precision != Precision::kFP32) {
-    const int64_t element = static_cast<int64_t>(c10::elementSize(precision_dtype(precision)));
-    for (const auto& p : autocast_cast_parameters(*block.module)) c.cast_bytes += p.numel() * element;
-  }
-  at::Tensor xi = x.is_floating_point() ? x.detach().requires_grad_(true) : x;
-  {
-    at::NoGradGuard no_grad;
-    Autocast autocast(device, precision);
-    const int64_t live0 = tracker.current();
-    tracker.reset_peak();
-    const auto t0 = Clock::now();
-    at::Tensor y = block.forward(xi);
-    r.forward_nograd_seconds = seconds_since(t0);
-    c.forward_nograd_peak = tracker.peak() - live0;
-  }
-  {
-    const auto uses = xi.use_count();
-    const auto storage_uses = xi.storage().use_count();
-    const int64_t live0 = tracker.current();
-    tracker.reset_peak();
-    auto t0 = Clock::now();
-    at::Tensor y, out;
-    {
-      Autocast autocast(device, precision);
-      y = block.forward(xi);
-      out = last ? w.loss(y, target) : y;
-    }
-    c.forward_seconds = seconds_since(t0);
-    c.forward_peak = tracker.peak() - live0;
-    r.kept_input = xi.use_count() > uses || xi.storage().use_count() > storage_uses;
-    if (!last) r.next_input = y.detach();
-    y = at::Tensor();
-    c.output_bytes = static_cast<int64_t>(out.storage().nbytes());
-    c.kept_bytes = tracker.current() - live0 - c.output_bytes;  // internal: without the output
-    at::Tensor g = at::ones_like(out);
-    const int64_t live1 = tracker.current();
-    tracker.reset_peak();
-    t0 = Clock::now();
-    out.backward(g);
-    c.backward_seconds = seconds_since(t0);
-    c.backward_peak = tracker.peak() - live1;
-    out = at::Tensor();
-    g = at::Tensor();
-    zero_grad(block_params, true);
-    if (xi.requires_grad()) xi.mutable_grad().reset();
-  }
-  c.output_kept = last;  // the loss lives until backward; others: known when the next block runs
-  return r;
-}
-
-}  // namespace
-
-ChainProfile profile_chain(Workload& w, const Batch& batch, int64_t m, Precision precision, MemoryTracker& tracker) {
-  ChainProfile prof;
-  prof.micro_batch = m;
-  const Batch part = batch.slice(0, m);
-  // Dropout draws must not disturb the caller's random stream.
-  const RngState rng = capture_rng(part.input.device());
-  at::Tensor x = part.input;
-  for (int i = 0; i < w.chain->size(); ++i) {
-    BlockRun r = run_block(w, i, x, part.target, precision, tracker);
-    if (i > 0) prof.blocks.back().output_kept = r.kept_input;
-    prof.blocks.push_back(r.cost);
-    prof.forward_nograd_seconds += r.forward_nograd_seconds;
-    x = r.next_input;
-  }
-  for (auto& c : prof.blocks) {
-    if (c.output_kept) c.kept_bytes += c.output_bytes;
-  }
-  restore_rng(rng);
-  return prof;
-}
 
 namespace {
 
@@ -339,6 +243,12 @@ PrecisionProfile profile_precision(Workload& w, const Batch& batch, Precision pr
   StepConfig config;
   config.precision = precision;
   ChainRun run{w, batch, tracker, StepOptions{config}};
+  {
+    // Which blocks write into their input decides what the runs copy: known before the first.
+    const RngState rng = capture_rng(batch.input.device());
+    w.chain->learn_input_writes(batch.slice(0, b).input);
+    restore_rng(rng);
+  }
   int64_t measured = 0;
   run.fresh(b, &measured);  // first use of this size (and of the chain); its peak calibrates
   pp.large = profile_chain(w, batch, b, precision, tracker);
@@ -373,9 +283,8 @@ WorkloadProfile profile_workload(Workload& w, const Batch& batch, const std::vec
       // 1.13) is dropped from the search, and the plan says why.
       zero_grad(params, true);
       if (precision == precisions.front()) throw;
-      const std::string what = e.what_without_backtrace();
       profile.notes.push_back(std::string(precision_name(precision)) + " not considered: it fails on this model (" +
-                              what.substr(0, what.find('\n')) + ")");
+                              error_cause(e.what_without_backtrace()) + ")");
     }
   }
   time_chain(w, batch, fastest_by_blocks(profile.precisions), tracker);
@@ -425,6 +334,10 @@ ChainCosts block_costs_at(const PrecisionProfile& p, int64_t m) {
     f.output_bytes = fit_bytes(m1, s.output_bytes, m2, l.output_bytes, m);
     f.output_kept = l.output_kept;
     f.recomputable = l.recomputable;
+    f.input_copy_bytes = fit_bytes(m1, s.input_copy_bytes, m2, l.input_copy_bytes, m);
+    f.input_copy_kept = l.input_copy_kept;
+    f.keeps_own_output = l.keeps_own_output;
+    f.shared_gradient_bytes = l.shared_gradient_bytes;
     f.param_bytes = s.param_bytes;
     f.cast_bytes = s.cast_bytes;
     // Bytes inside blocks are calibrated against the whole chain's measured peak.
@@ -432,6 +345,12 @@ ChainCosts block_costs_at(const PrecisionProfile& p, int64_t m) {
     f.forward_peak = calibrated(fit_bytes(m1, s.forward_peak, m2, l.forward_peak, m), p.calibration);
     f.forward_nograd_peak = calibrated(fit_bytes(m1, s.forward_nograd_peak, m2, l.forward_nograd_peak, m), p.calibration);
     f.backward_peak = calibrated(fit_bytes(m1, s.backward_peak, m2, l.backward_peak, m), p.calibration);
+    f.backward_peak_accumulating = calibrated(
+        fit_bytes(m1, s.backward_peak_accumulating, m2, l.backward_peak_accumulating, m), p.calibration);
+    f.backward_held_input_bytes = fit_bytes(m1, s.backward_held_input_bytes, m2, l.backward_held_input_bytes, m);
+    f.backward_held_by_segment_bytes =
+        fit_bytes(m1, s.backward_held_by_segment_bytes, m2, l.backward_held_by_segment_bytes, m);
+    f.backward_held_all_bytes = fit_bytes(m1, s.backward_held_all_bytes, m2, l.backward_held_all_bytes, m);
     c.blocks.push_back(f);
   }
   return c;
@@ -518,7 +437,13 @@ nlohmann::json block_cost_json(const BlockCost& b) {
           {"output_bytes", b.output_bytes},       {"output_kept", b.output_kept},
           {"kept_bytes", b.kept_bytes},           {"forward_peak", b.forward_peak},
           {"forward_nograd_peak", b.forward_nograd_peak}, {"backward_peak", b.backward_peak},
-          {"param_bytes", b.param_bytes},         {"cast_bytes", b.cast_bytes}};
+          {"backward_peak_accumulating", b.backward_peak_accumulating},
+          {"backward_held_input_bytes", b.backward_held_input_bytes},
+          {"backward_held_by_segment_bytes", b.backward_held_by_segment_bytes},
+          {"backward_held_all_bytes", b.backward_held_all_bytes},
+          {"param_bytes", b.param_bytes},         {"cast_bytes", b.cast_bytes},
+          {"input_copy_bytes", b.input_copy_bytes}, {"input_copy_kept", b.input_copy_kept},
+          {"keeps_own_output", b.keeps_own_output}, {"shared_gradient_bytes", b.shared_gradient_bytes}};
 }
 
 BlockCost block_cost_from_json(const nlohmann::json& j) {
@@ -531,8 +456,16 @@ BlockCost block_cost_from_json(const nlohmann::json& j) {
   b.forward_peak = jf::integer(j, "forward_peak");
   b.forward_nograd_peak = jf::integer(j, "forward_nograd_peak");
   b.backward_peak = jf::integer(j, "backward_peak");
+  b.backward_peak_accumulating = jf::integer(j, "backward_peak_accumulating");
+  b.backward_held_input_bytes = jf::integer(j, "backward_held_input_bytes");
+  b.backward_held_by_segment_bytes = jf::integer(j, "backward_held_by_segment_bytes");
+  b.backward_held_all_bytes = jf::integer(j, "backward_held_all_bytes");
   b.param_bytes = jf::integer(j, "param_bytes");
   b.cast_bytes = jf::integer(j, "cast_bytes");
+  b.input_copy_bytes = jf::integer(j, "input_copy_bytes");
+  b.input_copy_kept = jf::boolean(j, "input_copy_kept");
+  b.keeps_own_output = jf::boolean(j, "keeps_own_output");
+  b.shared_gradient_bytes = jf::integer(j, "shared_gradient_bytes");
   return b;
 }
 

@@ -30,6 +30,34 @@ struct Model {
     }
   }
   const BlockCost& b(int k) const { return c.blocks[static_cast<size_t>(k)]; }
+  // The copy of its input that a block writing into it runs on where that input is kept by
+  // someone else: a checkpointed segment's saved input (in the forward and in the recompute) and
+  // the chain's own input (block 0). Its output may then be that copy.
+  int64_t copy(const Unit& u, int k) const {
+    return k == u.first && (u.checkpointed || k == 0) ? b(k).input_copy_bytes : 0;
+  }
+  // Block k's output while its own backward runs: there where its graph keeps it.
+  int64_t own_output(int k) const { return b(k).keeps_own_output ? b(k).output_bytes : 0; }
+  // That copy where the block's graph keeps it for backward, not as its output.
+  int64_t copy_kept(const Unit& u, int k) const { return b(k).input_copy_kept ? copy(u, k) : 0; }
+  // Block k's backward above what is live when it starts: with every gradient already there it
+  // only adds into them.
+  int64_t backward(int k) const {
+    return c.gradients_present ? b(k).shared_gradient_bytes + b(k).backward_peak_accumulating : b(k).backward_peak;
+  }
+  // Whether block k's input outlives the block's own use of it in unit u (the profile frees it
+  // where the block's backward is done with it): the caller's batch (block 0 not copying it), an
+  // output the block before keeps in its own graph, a checkpointed segment's saved input.
+  bool input_held(const Unit& u, int k) const {
+    if (k == 0 || (u.checkpointed && k == u.first)) return b(k).input_copy_bytes == 0;
+    return b(k - 1).keeps_own_output;
+  }
+  // What block k's backward peak grows by when it ends a segment (the segment holds the gradient
+  // that arrived and its recomputed output until its backward returns) or its input outlives it.
+  int64_t held_past_use(int k, bool segment_end, bool input) const {
+    if (segment_end) return input ? b(k).backward_held_all_bytes : b(k).backward_held_by_segment_bytes;
+    return input ? b(k).backward_held_input_bytes : 0;
+  }
   // Never negative: fitted and calibrated numbers can undershoot the output's exact size.
   int64_t internal(int k) const {
     return std::max<int64_t>(0, b(k).kept_bytes - (b(k).output_kept ? b(k).output_bytes : 0));
@@ -45,7 +73,7 @@ struct Model {
   // A checkpointed segment's weight casts stay cached until forward ends (counted through
   // backward too: a small overestimate that keeps the model on the safe side).
   int64_t held(const Unit& u) const {
-    if (!u.checkpointed) return internal(u.first);
+    if (!u.checkpointed) return internal(u.first) + copy_kept(u, u.first);
     return c.segment_overhead_bytes + casts_from[u.first] - casts_from[u.last + 1];
   }
 
@@ -53,34 +81,47 @@ struct Model {
   // the units before it (their pending output included).
   int64_t peak(const Unit& u, int64_t before) const {
     const int64_t base = c.fixed_bytes + before;
+    return u.checkpointed ? segment_peak(u, base) : plain_peak(u.first, base);
+  }
+  int64_t plain_peak(int k, int64_t base) const {
+    const int64_t grads = c.gradients_present ? all_grads() : grads_after[k];
+    const Unit u{k, k, false};
+    // In forward, the casts of the blocks ahead are already cached (the step makes them all
+    // first); a block's own cast is part of its measured forward peak. Its backward's peak
+    // counts the gradient arriving for its output, freed once used.
+    return std::max(base + casts_from[k + 1] + copy(u, k) + b(k).forward_peak,
+                    base + grads + own_output(k) + internal(k) + copy_kept(u, k) + backward(k) +
+                        held_past_use(k, false, input_held(u, k)));
+  }
+  int64_t segment_peak(const Unit& u, int64_t base) const {
     const int64_t grads = c.gradients_present ? all_grads() : grads_after[u.last];
     const int64_t delta = b(u.last).output_bytes;  // the gradient arriving from the next unit
     int64_t p = 0;
-    // In forward, the casts of the blocks ahead are already cached (the step makes them all
-    // first); a block's own cast is part of its measured forward peak.
-    if (!u.checkpointed) {
-      p = std::max(p, base + casts_from[u.first + 1] + b(u.first).forward_peak);
-      p = std::max(p, base + grads + delta + internal(u.first) + b(u.first).backward_peak);
-      return p;
+    for (int k = u.first; k <= u.last; ++k) {
+      p = std::max(p, base + casts_from[k + 1] + copy(u, k) + b(k).forward_nograd_peak);
     }
-    for (int k = u.first; k <= u.last; ++k) p = std::max(p, base + casts_from[k + 1] + b(k).forward_nograd_peak);
     // Backward: the segment runs again keeping everything, then its blocks' backward.
     int64_t kept = 0;
     for (int k = u.first; k <= u.last; ++k) {
-      p = std::max(p, base + grads + delta + kept + b(k).forward_peak);
-      kept += b(k).kept_bytes;
+      p = std::max(p, base + grads + delta + kept + copy(u, k) + b(k).forward_peak);
+      kept += b(k).kept_bytes + copy_kept(u, k);
     }
     // Until the segment's backward returns it holds its recomputed output and the gradient that
-    // arrived for it (delta): both alive under every block's backward, besides the gradient
-    // of that block's own output (which is delta itself for the last block). Non-reentrant: only
-    // that gradient.
+    // arrived for it (delta): both alive under every block's backward (whose peak counts the
+    // gradient of that block's output; the last block's is delta, held). Non-reentrant: the
+    // segment holds neither; each block's backward runs as a plain block's.
     int64_t below = kept;
     for (int k = u.last; k >= u.first; --k) {
-      below -= b(k).kept_bytes;
+      below -= b(k).kept_bytes + copy_kept(u, k);
       const int64_t g = c.gradients_present ? all_grads() : grads_after[k];
-      const int64_t held_by_segment =
-          c.non_reentrant ? b(k).output_bytes : delta + (k < u.last ? delta : 0) + b(k).output_bytes;
-      p = std::max(p, base + g + held_by_segment + below + internal(k) + b(k).backward_peak);
+      if (c.non_reentrant) {
+        p = std::max(p, base + g + own_output(k) + below + internal(k) + copy_kept(u, k) + backward(k) +
+                            held_past_use(k, false, input_held(u, k)));
+        continue;
+      }
+      const int64_t outputs = b(u.last).output_bytes + (k < u.last ? own_output(k) : 0);  // recomputed
+      const int64_t held = (k < u.last ? delta : 0) + held_past_use(k, k == u.last, input_held(u, k));
+      p = std::max(p, base + g + outputs + below + internal(k) + copy_kept(u, k) + held + backward(k));
     }
     return p;
   }

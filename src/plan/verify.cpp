@@ -128,7 +128,7 @@ Plan plan_for_relation(const Planner& planner, const Plan& plan, const Allocatio
 }  // namespace
 
 Verification verify_plan(Workload& w, const Planner& planner, Plan& plan, MemoryTracker& tracker, bool measure_plain,
-                         int steps) {
+                         int steps, const Batch* batch) {
   check_option(steps >= 2, "verify_steps", steps, "expected 2 or more (the first step only warms up)");
   Verification v;
   v.steps = steps;
@@ -136,7 +136,7 @@ Verification verify_plan(Workload& w, const Planner& planner, Plan& plan, Memory
   const MemoryDevice device = memory_device_of(plan.config.device);
   v.on_cuda = device == MemoryDevice::kCUDA;
   BudgetAllocator::install();
-  const Batch data = w.data->train_batch(0, plan.config.batch, w.seed).to(plan.config.device);
+  const Batch data = batch != nullptr ? *batch : w.data->train_batch(0, plan.config.batch, w.seed).to(plan.config.device);
   if (measure_plain) {
     StepConfig plain = plan.config;
     plain.micro_batch = 0;

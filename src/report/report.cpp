@@ -101,12 +101,9 @@ Report run_report(Workload& w, const ReportOptions& o) {
   const double state_per_byte = r.parameter_bytes > 0 ? static_cast<double>(r.states.optimizer_state) /
                                                             static_cast<double>(r.parameter_bytes)
                                                       : 0.0;
-  std::vector<int> block_of_parameter;
+  const std::vector<int> block_of_parameter = w.chain->parameter_blocks();
   std::vector<std::vector<at::Tensor>> blocks;
-  for (int i = 0; i < w.chain->size(); ++i) {
-    blocks.push_back(w.chain->block_parameters(i, i));
-    block_of_parameter.insert(block_of_parameter.end(), blocks.back().size(), i);
-  }
+  for (int i = 0; i < w.chain->size(); ++i) blocks.push_back(w.chain->block_parameters(i, i));
   r.ranks = predicted_rank_states(w.chain->parameters(), o.world_size, o.zero_stage, state_per_byte, block_of_parameter);
   if (o.zero_stage == 3 && o.world_size > 1) {
     for (const auto& b : gathered_block_bytes(blocks, o.world_size)) {

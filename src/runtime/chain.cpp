@@ -3,6 +3,8 @@
 #include <algorithm>
 #include <sstream>
 #include <stdexcept>
+#include <unordered_map>
+#include <unordered_set>
 
 #include "memfit/errors.h"
 #include "memfit/measure/memory_tracker.h"
@@ -101,13 +103,65 @@ void Chain::add(const std::string& name, std::shared_ptr<torch::nn::Module> modu
   const std::string key = std::to_string(blocks_.size()) + "_" + name;
   register_module(key, module);
   blocks_.push_back(Block{name, std::move(module), std::move(forward)});
+  input_writes_.push_back(InputWrites::kUnknown);
 }
+
+std::string Chain::describe_block(int index) const {
+  const std::string& name = block(index).name;
+  const std::string number = std::to_string(index);
+  // A TorchScript block is "<child>:<type>": "block 2:relu (ReLU)", or "block 2 (ReLU)" where
+  // the child is named by its index.
+  const size_t colon = name.find(':');
+  if (colon == std::string::npos || colon == 0 || colon + 1 == name.size()) return "block " + number + " (" + name + ")";
+  const std::string child = name.substr(0, colon), type = name.substr(colon + 1);
+  return "block " + number + (child == number ? "" : ":" + child) + " (" + type + ")";
+}
+
+bool Chain::may_write_input(int index) const {
+  return input_writes_.at(static_cast<size_t>(index)) != InputWrites::kNo;
+}
+
+void Chain::learn_input_writes(const at::Tensor& input) {
+  if (std::none_of(input_writes_.begin(), input_writes_.end(), [](InputWrites w) { return w == InputWrites::kUnknown; })) {
+    return;
+  }
+  at::NoGradGuard no_grad;
+  run_blocks(input.clone(), 0, size() - 1);
+}
+
+namespace {
+
+// `tensors` without repeats of the same tensor, in first-seen order.
+std::vector<at::Tensor> each_once(const std::vector<at::Tensor>& tensors) {
+  std::vector<at::Tensor> out;
+  std::unordered_set<const c10::TensorImpl*> seen;
+  for (const auto& t : tensors) {
+    if (seen.insert(t.unsafeGetTensorImpl()).second) out.push_back(t);
+  }
+  return out;
+}
+
+}  // namespace
 
 std::vector<at::Tensor> Chain::block_parameters(int first, int last) const {
   std::vector<at::Tensor> out;
   for (int i = first; i <= last; ++i) {
     for (const auto& p : block(i).module->parameters()) out.push_back(p);
   }
+  return each_once(out);
+}
+
+std::vector<at::Tensor> Chain::parameters(bool recurse) const {
+  return each_once(torch::nn::Module::parameters(recurse));
+}
+
+std::vector<int> Chain::parameter_blocks() const {
+  std::unordered_map<const c10::TensorImpl*, int> last_holder;
+  for (int i = 0; i < size(); ++i) {
+    for (const auto& p : block(i).module->parameters()) last_holder[p.unsafeGetTensorImpl()] = i;
+  }
+  std::vector<int> out;
+  for (const auto& p : parameters()) out.push_back(last_holder.at(p.unsafeGetTensorImpl()));
   return out;
 }
 
@@ -119,13 +173,57 @@ std::vector<at::Tensor> Chain::block_buffers(int first, int last) const {
   return out;
 }
 
+namespace {
+
+// The input's version counter, or -1 where it has none (inference tensors).
+int64_t version_of(const at::Tensor& x) {
+  return x.defined() && !x.is_inference() ? static_cast<int64_t>(x._version()) : -1;
+}
+
+// What was running when a block failed: a recompute (in backward), a forward without grad (a
+// checkpointed segment's first pass, evaluation), or a forward.
+const char* running_phase() {
+  const MemoryTracker* tracker = MemoryTracker::active();
+  if (tracker != nullptr && tracker->phase() == Phase::kRecompute) return "recomputing in backward";
+  return at::GradMode::is_enabled() ? "forward" : "forward without grad";
+}
+
+}  // namespace
+
+at::Tensor Chain::run_block(int index, const at::Tensor& x, const char* running) {
+  BlockTagGuard tag(static_cast<int16_t>(index));
+  const int64_t version = version_of(x);
+  at::Tensor y;
+  const auto failed = [&](const std::string& what) {
+    const std::string phase = running != nullptr ? running : running_phase();
+    return c10::Error(describe_block(index) + ", " + phase + ": " + error_cause(what), "");
+  };
+  try {
+    y = blocks_[static_cast<size_t>(index)].forward(x);
+  } catch (const c10::OutOfMemoryError&) {
+    throw;
+  } catch (const c10::Error& e) {
+    throw failed(e.what_without_backtrace());
+  } catch (const std::runtime_error& e) {  // the TorchScript interpreter's errors
+    throw failed(e.what());
+  }
+  if (version >= 0) {
+    input_writes_[static_cast<size_t>(index)] = version_of(x) != version ? InputWrites::kYes : InputWrites::kNo;
+  }
+  return y;
+}
+
 at::Tensor Chain::run_blocks(const at::Tensor& input, int first, int last) {
   at::Tensor x = input;
-  for (int i = first; i <= last; ++i) {
-    BlockTagGuard tag(static_cast<int16_t>(i));
-    x = blocks_[static_cast<size_t>(i)].forward(x);
-  }
+  for (int i = first; i <= last; ++i) x = run_block(i, x);
   return x;
+}
+
+// The caller's input, or a copy where block 0 runs plainly on it and is known to write into it:
+// the caller may run it again (micro-batches replayed after running out of memory, profiling).
+at::Tensor Chain::own_input(const at::Tensor& input) const {
+  if (size() == 0 || input_writes_.front() != InputWrites::kYes) return input;
+  return input.clone();  // a node of the graph where the input requires grad: its gradient arrives
 }
 
 at::Tensor Chain::run_through_runner(const at::Tensor& input) {
@@ -139,7 +237,7 @@ at::Tensor Chain::run_through_runner(const at::Tensor& input) {
 
 at::Tensor Chain::forward(const at::Tensor& input, const CheckpointPlan& plan) {
   if (runner_) return run_through_runner(input);
-  at::Tensor x = input;
+  at::Tensor x = plan.recomputes(0) ? input : own_input(input);  // (a checkpoint copies its own)
   int next = 0;
   for (const auto& [first, last] : plan.segments) {
     TORCH_CHECK(first >= next && last >= first && last < size(),
@@ -149,7 +247,7 @@ at::Tensor Chain::forward(const at::Tensor& input, const CheckpointPlan& plan) {
     // The tag is set inside the block function too, so recomputed bytes carry block indices.
     const int f = first, l = last;
     x = checkpoint([this, f, l](const at::Tensor& in) { return run_blocks(in, f, l); }, x,
-                   block_parameters(first, last), block_buffers(first, last));
+                   block_parameters(first, last), block_buffers(first, last), may_write_input(first));
     next = last + 1;
   }
   if (next < size()) x = run_blocks(x, next, size() - 1);

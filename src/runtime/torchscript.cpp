@@ -15,13 +15,13 @@
 namespace memfit {
 namespace {
 
-std::string first_line_of_error(const std::exception& e, bool whole = false) {
+std::string whole_error(const std::exception& e) {
   const auto* c10_error = dynamic_cast<const c10::Error*>(&e);
-  const std::string what = c10_error != nullptr ? c10_error->what_without_backtrace() : e.what();
-  return whole ? what : what.substr(0, what.find('\n'));
+  return c10_error != nullptr ? c10_error->what_without_backtrace() : e.what();
 }
 
-std::string first_line(const std::exception& e) { return first_line_of_error(e); }
+// The line that says what went wrong (for an interpreter error, the innermost one).
+std::string cause_of(const std::exception& e) { return error_cause(whole_error(e)); }
 
 // A scripted module as a torch::nn::Module block: its parameters and buffers registered under
 // flattened names ("fc.weight" -> "fc_weight"), the same tensors the scripted module holds.
@@ -42,7 +42,7 @@ class ScriptBlock : public torch::nn::Module {
     } catch (const std::exception& e) {
       // The interpreter wraps the allocator's out-of-memory error in its own: give it back its
       // type, so that out-of-memory recovery sees it.
-      const std::string what = first_line_of_error(e, /*whole=*/true);
+      const std::string what = whole_error(e);
       const size_t at = what.find("out of memory");
       if (at == std::string::npos) throw;
       const size_t start = what.rfind('\n', at);
@@ -76,7 +76,7 @@ torch::jit::Module load_module(const std::string& file) {
   try {
     return torch::jit::load(file);
   } catch (const std::exception& e) {
-    throw OptionError("model", "'" + file + "'", "expected a TorchScript file (torch.jit.script(model).save(...)): " + first_line(e));
+    throw OptionError("model", "'" + file + "'", "expected a TorchScript file (torch.jit.script(model).save(...)): " + cause_of(e));
   }
 }
 
@@ -89,7 +89,7 @@ std::pair<at::Tensor, at::Tensor> load_data(const std::string& file) {
   try {
     value = torch::pickle_load(bytes);
   } catch (const std::exception& e) {
-    throw OptionError("data", "'" + file + "'", expected + " (" + first_line(e) + ")");
+    throw OptionError("data", "'" + file + "'", expected + " (" + cause_of(e) + ")");
   }
   check_option(value.isGenericDict(), "data", "'" + file + "'", expected + ": it holds no dict");
   const auto dict = value.toGenericDict();
@@ -157,13 +157,13 @@ void check_runs(Workload& w) {
   try {
     out = w.chain->forward(b.input);
   } catch (const std::exception& e) {
-    throw OptionError("model", "'" + w.name + "'", "its forward fails on inputs of shape " + shape_text(b.input) + ": " + first_line(e));
+    throw OptionError("model", "'" + w.name + "'", "its forward fails on inputs of shape " + shape_text(b.input) + ": " + cause_of(e));
   }
   try {
     const at::Tensor loss = w.loss(out, b.target);
     TORCH_CHECK(loss.numel() == 1, "the loss is not a scalar but ", loss.sizes());
   } catch (const std::exception& e) {
-    throw OptionError("loss", "for output " + shape_text(out) + " and targets " + shape_text(b.target), first_line(e));
+    throw OptionError("loss", "for output " + shape_text(out) + " and targets " + shape_text(b.target), cause_of(e));
   }
 }
 

@@ -12,20 +12,66 @@
 namespace memfit {
 namespace {
 
+// What the block runs on, in the forward and in the recompute: the saved input itself, or a
+// copy where the block may write into its input (the saved input is the caller's tensor: the
+// chain's input, another block's output).
+at::Tensor input_for_block(const at::Tensor& input, bool block_may_write_input) {
+  at::NoGradGuard no_grad;
+  return block_may_write_input ? input.clone() : input;
+}
+
+// Where the gradient arriving for a recompute's input is left (RecomputeInput's backward).
+struct InputGradient : torch::CustomClassHolder {
+  at::Tensor grad;
+};
+
+// The identity as the first node of a recomputed graph: its output is the block's input, not a
+// leaf (an in-place first op is allowed, as on any block's input in a plain run), held by
+// nothing but the graph (a copy the block writes into goes once the block's backward is done
+// with it); the gradient arriving for it is left in `sink`. `anchor`, a scalar leaf that
+// requires grad, makes the output require grad and gives backward a path to this node.
+class RecomputeInput : public torch::autograd::Function<RecomputeInput> {
+ public:
+  static at::Tensor forward(torch::autograd::AutogradContext* ctx, const at::Tensor& data, const at::Tensor& anchor,
+                            c10::intrusive_ptr<InputGradient> sink) {
+    (void)anchor;
+    ctx->saved_data["sink"] = c10::IValue::make_capsule(std::move(sink));
+    return data.detach();
+  }
+  static torch::autograd::variable_list backward(torch::autograd::AutogradContext* ctx,
+                                                 torch::autograd::variable_list grad_outputs) {
+    auto sink = c10::static_intrusive_pointer_cast<InputGradient>(ctx->saved_data["sink"].toCapsule());
+    sink->grad = grad_outputs[0];
+    return {at::Tensor(), at::Tensor(), at::Tensor()};
+  }
+};
+
+// A recomputed block: its output, and where its input's gradient arrives (differentiating
+// w.r.t. `anchor` reaches it; both undefined where the input needs no gradient).
+struct Recomputed {
+  at::Tensor output;
+  at::Tensor anchor;
+  c10::intrusive_ptr<InputGradient> input_gradient;
+};
+
 // The block run again on its saved input, with grad, under the random and autocast state of
-// its first forward: the input (a detached copy that requires grad as the saved one did) and
-// the output, whose graph backward then differentiates.
-std::pair<at::Tensor, at::Tensor> recompute_block(const at::Tensor& input, const BlockFn& block, const RngState& rng_state,
-                                                  const AutocastState& autocast) {
-  at::Tensor x = input.detach();
-  x.requires_grad_(input.requires_grad());
+// its first forward.
+Recomputed recompute_block(const at::Tensor& input, const BlockFn& block, const RngState& rng_state,
+                           const AutocastState& autocast, bool block_may_write_input) {
   torch::AutoGradMode grad_on(true);
+  Recomputed r;
+  at::Tensor x = input_for_block(input, block_may_write_input).detach();
+  if (input.requires_grad()) {
+    r.anchor = at::zeros({}, input.options()).requires_grad_(true);
+    r.input_gradient = c10::make_intrusive<InputGradient>();
+    x = RecomputeInput::apply(x, r.anchor, r.input_gradient);
+  }
   PhaseGuard recompute(Phase::kRecompute);
   RngStateGuard rng(rng_state);
   Autocast cpu_autocast(c10::kCPU, autocast.cpu_dtype, autocast.cpu_enabled);
   Autocast cuda_autocast(c10::kCUDA, autocast.cuda_dtype, autocast.cuda_enabled);
-  at::Tensor y = block(x);
-  return {x, y};
+  r.output = block(x);
+  return r;
 }
 
 // What the recompute needs besides the saved input: the block, and the random and autocast
@@ -36,6 +82,7 @@ struct CheckpointState : torch::CustomClassHolder {
   AutocastState autocast;
   std::vector<at::Tensor> params;  // the parameters themselves (leaves: no copy is made)
   std::vector<at::Tensor> buffers;  // updated in place by the block (BatchNorm statistics)
+  bool block_may_write_input = false;
 };
 
 // Puts buffers back, at the end of a scope, to their values at its start: the recompute runs
@@ -64,7 +111,7 @@ class CheckpointFunction : public torch::autograd::Function<CheckpointFunction> 
     (void)params;
     ctx->save_for_backward({input});
     ctx->saved_data["state"] = c10::IValue::make_capsule(state);
-    return state->block(input);
+    return state->block(input_for_block(input, state->block_may_write_input));
   }
 
   static torch::autograd::variable_list backward(torch::autograd::AutogradContext* ctx,
@@ -76,27 +123,26 @@ class CheckpointFunction : public torch::autograd::Function<CheckpointFunction> 
 
     // Until the recomputed graph is differentiated (BatchNorm's backward reads its statistics).
     BufferGuard buffers(state->buffers);
-    auto [x, y] = recompute_block(input, state->block, state->rng, state->autocast);
+    const Recomputed r = recompute_block(input, state->block, state->rng, state->autocast, state->block_may_write_input);
 
-    // Differentiate the recomputed graph w.r.t. the input and the parameters.
+    // Differentiate the recomputed graph w.r.t. the input and the parameters. The parameters'
+    // gradients go into their .grad as the recomputed graph's backward makes them (as in a plain
+    // run: a later micro-batch's new gradient is freed once added), not held as results until
+    // the whole segment's backward returns; the input's comes back from its leaf.
     std::vector<at::Tensor> wrt;
-    if (x.requires_grad()) wrt.push_back(x);
+    if (r.anchor.defined()) wrt.push_back(r.anchor);
     for (const at::Tensor& p : params) {
       if (p.requires_grad()) wrt.push_back(p);
     }
-    std::vector<at::Tensor> grads;
-    if (!wrt.empty() && y.requires_grad()) {
-      grads = torch::autograd::grad({y}, wrt, {grad_outputs[0]}, /*retain_graph=*/false,
-                                    /*create_graph=*/false, /*allow_unused=*/true);
-    } else {
-      grads.assign(wrt.size(), at::Tensor());
+    if (!wrt.empty() && r.output.requires_grad()) {
+      torch::autograd::backward({r.output}, {grad_outputs[0]}, /*retain_graph=*/false, /*create_graph=*/false, wrt);
     }
 
-    // One gradient per forward argument: input, each parameter, and the (non-tensor) state.
+    // One gradient per forward argument: input, each parameter (already added), and the
+    // (non-tensor) state.
     torch::autograd::variable_list out;
-    size_t next = 0;
-    out.push_back(x.requires_grad() ? grads[next++] : at::Tensor());
-    for (const at::Tensor& p : params) out.push_back(p.requires_grad() ? grads[next++] : at::Tensor());
+    out.push_back(r.input_gradient ? r.input_gradient->grad : at::Tensor());
+    for (size_t i = 0; i < params.size(); ++i) out.push_back(at::Tensor());
     out.push_back(at::Tensor());
     return out;
   }
@@ -120,6 +166,7 @@ struct GatheredState : torch::CustomClassHolder {
   AutocastState autocast;
   GatheredParams gathered;
   std::vector<at::Tensor> buffers;
+  bool block_may_write_input = false;
 };
 
 class GatheredFunction : public torch::autograd::Function<GatheredFunction> {
@@ -131,7 +178,7 @@ class GatheredFunction : public torch::autograd::Function<GatheredFunction> {
     ctx->save_for_backward({input});
     ctx->saved_data["state"] = c10::IValue::make_capsule(state);
     GatheredScope gathered(state->gathered, GatherFor::kForward);
-    return state->block(input);
+    return state->block(input_for_block(input, state->block_may_write_input));
   }
 
   static torch::autograd::variable_list backward(torch::autograd::AutogradContext* ctx,
@@ -144,14 +191,14 @@ class GatheredFunction : public torch::autograd::Function<GatheredFunction> {
     {
       GatheredScope gathered(state->gathered, GatherFor::kBackward);
       BufferGuard buffers(state->buffers);
-      auto [x, y] = recompute_block(input, state->block, state->rng, state->autocast);
+      const Recomputed r = recompute_block(input, state->block, state->rng, state->autocast, state->block_may_write_input);
       std::vector<at::Tensor> wrt(params.begin(), params.end());
-      if (x.requires_grad()) wrt.push_back(x);
-      if (y.requires_grad()) {
-        auto grads = torch::autograd::grad({y}, wrt, {grad_outputs[0]}, /*retain_graph=*/false,
+      if (r.anchor.defined()) wrt.push_back(r.anchor);
+      if (r.output.requires_grad()) {
+        auto grads = torch::autograd::grad({r.output}, wrt, {grad_outputs[0]}, /*retain_graph=*/false,
                                            /*create_graph=*/false, /*allow_unused=*/true);
         std::move(grads.begin(), grads.begin() + static_cast<int64_t>(params.size()), full_grads.begin());
-        if (x.requires_grad()) input_grad = grads.back();
+        if (r.input_gradient) input_grad = r.input_gradient->grad;
       }
     }
     // reduce may work in place on the full gradients: none may share the input gradient's
@@ -169,7 +216,7 @@ class GatheredFunction : public torch::autograd::Function<GatheredFunction> {
 }  // namespace
 
 at::Tensor checkpoint_gathered(BlockFn block, const at::Tensor& input, const at::Tensor& shard, GatheredParams gathered,
-                               std::vector<at::Tensor> buffers) {
+                               std::vector<at::Tensor> buffers, bool block_may_write_input) {
   if (!at::GradMode::is_enabled()) {
     GatheredScope scope(gathered, GatherFor::kForward);
     return block(input);
@@ -180,10 +227,12 @@ at::Tensor checkpoint_gathered(BlockFn block, const at::Tensor& input, const at:
   state->autocast = AutocastState::capture();
   state->gathered = std::move(gathered);
   state->buffers = std::move(buffers);
+  state->block_may_write_input = block_may_write_input;
   return GatheredFunction::apply(input, shard, state);
 }
 
-at::Tensor checkpoint(BlockFn block, const at::Tensor& input, at::TensorList params, std::vector<at::Tensor> buffers) {
+at::Tensor checkpoint(BlockFn block, const at::Tensor& input, at::TensorList params, std::vector<at::Tensor> buffers,
+                      bool block_may_write_input) {
   if (!at::GradMode::is_enabled()) return block(input);  // nothing to save in evaluation
 
   auto state = c10::make_intrusive<CheckpointState>();
@@ -192,6 +241,7 @@ at::Tensor checkpoint(BlockFn block, const at::Tensor& input, at::TensorList par
   state->autocast = AutocastState::capture();
   state->params = params.vec();
   state->buffers = std::move(buffers);
+  state->block_may_write_input = block_may_write_input;
   return CheckpointFunction::apply(input, params, state);
 }
 

@@ -48,5 +48,36 @@ check "report --device tpu" "--device 'tpu'"
 check "train --optimizer-state int8 --steps 1" "--optimizer-state 'int8'"
 check "train --optimizer sgd --optimizer-state 8bit --steps 1" "--optimizer-state '8bit'"
 check "report --optimizer-state auto" "--optimizer-state 'auto'"
+# Issue 29: empty values of number and size flags, weight decay outside [0, 1) unless asked.
+check_argv() {  # check_argv "<text expected in the error line>" args... (each word as given, '' too)
+  local expect=$1; shift
+  local err rc out; err=$("$memfit" "$@" 2>&1 >/dev/null); rc=$?
+  out=$("$memfit" "$@" 2>/dev/null)
+  local lines; lines=$(printf '%s' "$err" | grep -c '')
+  if [ $rc -ne 0 ] && [ "$lines" -eq 1 ] && [[ "$err" == *"$expect"* ]] && [ -z "$out" ]; then
+    pass=$((pass+1))
+  else
+    fail=$((fail+1)); echo "FAILED: memfit $* -> rc=$rc lines=$lines stderr: $err"
+  fi
+}
+check_argv "--momentum: '': expected a number" report --optimizer sgd --momentum ''
+check_argv "--lr: '': expected a number" train --lr '' --steps 1
+check_argv "--budget: '': expected a size" plan --budget ''
+check_argv "--budget: '': expected a size" train --budget '' --steps 1
+check_argv "--weight-decay 2147483648: expected 0 <= weight decay < 1 (--large-weight-decay" report --weight-decay 2147483648
+check_argv "--weight-decay 1: expected 0 <= weight decay < 1" train --weight-decay 1 --steps 1
+if "$memfit" report --layers 1 --d-model 32 --heads 2 --seq 16 --batch 2 --steps 1 --optimizer sgd --weight-decay 2 \
+     --large-weight-decay >/dev/null 2>&1; then pass=$((pass+1)); else fail=$((fail+1)); echo "FAILED: --large-weight-decay refused"; fi
+# A file's bytes are never echoed raw: a corrupt state.json's parser error, printable and short.
+state=$(mktemp -d)
+printf '{"a": \xff\xfe\x01\x1b[31m garbage' > "$state/state.json"
+err=$("$memfit" train --resume "$state" --steps 1 2>&1 >/dev/null); rc=$?
+rm -rf "$state"
+if [ $rc -ne 0 ] && [ "$(printf '%s' "$err" | grep -c '')" -eq 1 ] && printf '%s' "$err" | LC_ALL=C grep -q '\\xFF' \
+   && ! printf '%s' "$err" | LC_ALL=C grep -qP '[\x00-\x08\x0b-\x1f\x7f-\xff]'; then
+  pass=$((pass+1))
+else
+  fail=$((fail+1)); echo "FAILED: corrupt state.json -> rc=$rc stderr: $(printf '%s' "$err" | od -c | head -3)"
+fi
 echo "cli bad input: $pass passed, $fail failed"
 [ $fail -eq 0 ]

@@ -110,8 +110,12 @@ cases() {
   echo "rpt|--momentum|refuse|0.9|--optimizer=adagrad"
   echo "rpt|--momentum|ok|0.9|--optimizer=sgd"
   echo "rpt|--momentum|any|0.99|--optimizer=rmsprop"
-  for v in $floats -1 -1e-300; do echo "rpt|--weight-decay|refuse|$v|"; done
-  for v in 0 1e308 1; do echo "rpt|--weight-decay|any|$v|"; done
+  for v in $floats -1 -1e-300 1 1e308 2147483648; do echo "rpt|--weight-decay|refuse|$v|"; done
+  echo "rpt|--weight-decay|REFUSE|2147483648|"
+  for v in 0 0.5 0.999; do echo "rpt|--weight-decay|ok|$v|"; done
+  for v in 1 2; do echo "rpt|--weight-decay|ok|$v|--large-weight-decay"; done
+  echo "rpt|--momentum|REFUSE|_EMPTY_|--optimizer=sgd"
+  echo "pt|--budget|REFUSE|_EMPTY_|"
   for v in $floats 1 -0.1 1.5; do echo "rpt|--dropout|refuse|$v|"; done
   for v in 0 0.99 1e-300; do echo "rpt|--dropout|any|$v|"; done
   for v in $floats 0 -0 -5 86401 1e30 1e308; do echo "t|--dist-timeout|refuse|$v|"; done

@@ -116,7 +116,50 @@ PY
 "$memfit" train --model lossy.pt --data gpt_data.pt --loss model --batch 16 "${quiet[@]}" --steps 3 > l.out 2>&1 && ok \
   || bad "--loss model: $(tail -3 l.out)"
 
-# 5. Bad input: one line, a non-zero exit, nothing written.
+# 5. Blocks whose first op writes into their input (ReLU/SiLU(inplace=True), x.add_): plans at
+#    60/45/30% hold and are predicted within 5%; training recomputing every block gives the
+#    weights of training recomputing none, bit for bit.
+inplace=(--model inplace.pt --data inplace_data.pt --batch 32)
+"$memfit" plan "${inplace[@]}" --precision fp32 --micro-batch 32 --checkpoint none --budget 1TiB --json > plain.json 2> err.txt \
+  || bad "plain plan of the in-place CNN: $(cat err.txt)"
+plain=$(py plain.json <<'PY'
+import json, sys; print(json.load(open(sys.argv[1]))["measured"]["peak_bytes"])
+PY
+)
+for pct in 60 45 30; do
+  "$memfit" plan "${inplace[@]}" --precision fp32 --budget $((plain * pct / 100)) --json > plan.json 2> err.txt
+  py plan.json $pct <<'PY' && ok || bad "plan of the in-place CNN at $pct%: $(cat err.txt)"
+import json, sys
+j = json.load(open(sys.argv[1]))
+if not j["feasible"]:
+    assert j["floor_bytes"] > j["budget_bytes"], j; sys.exit(0)
+m, p = j["measured"]["peak_bytes"], j["predicted"]["peak_bytes"]
+assert m <= j["budget_bytes"], (sys.argv[2:], m, j["budget_bytes"])
+assert abs(p - m) <= 0.05 * m, (sys.argv[2:], p, m)
+PY
+done
+for ck in none all 2,4,5; do
+  "$memfit" train "${inplace[@]}" "${quiet[@]}" --precision fp32 --micro-batch 16 --checkpoint $ck --budget 1GiB \
+    --steps 3 --json-log "inplace_$ck.jsonl" > t.out 2>&1 || bad "train the in-place CNN, recompute $ck: $(tail -2 t.out)"
+done
+py inplace_none.jsonl inplace_all.jsonl inplace_2,4,5.jsonl <<'PY' && ok || bad "recomputing blocks that write into their input changed the weights"
+import json, sys
+sums = [[json.loads(l) for l in open(p)][-1]["weights_sha256"] for p in sys.argv[1:]]
+assert len(set(sums)) == 1, sums
+PY
+
+# 5b. An error inside a block: one line naming the block, what ran, and the innermost cause.
+one_line() {  # expected-text, command...
+  local expect=$1; shift
+  local err rc; err=$("$@" 2>&1 >/dev/null); rc=$?
+  local n; n=$(printf '%s' "$err" | grep -c '')
+  if [ $rc -ne 0 ] && [ "$n" -eq 1 ] && [[ "$err" == *"$expect"* ]]; then ok; else bad "$* -> rc=$rc lines=$n: $err"; fi
+}
+one_line "memfit: block 1 (Boom), forward: boom: more than one sample" "$memfit" report --model boom.pt --data boom_data.pt --batch 4
+one_line "memfit: block 1 (Boom), forward: boom: more than one sample" "$memfit" plan --model boom.pt --data boom_data.pt --batch 4 \
+  --budget 1GiB --profile-cache none
+
+# 6. Bad input: one line, a non-zero exit, nothing written.
 one_line_error() {  # expected-text, command...
   local expect=$1; shift
   local err rc; err=$("$@" 2>&1 >/dev/null); rc=$?

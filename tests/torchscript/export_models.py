@@ -8,6 +8,9 @@ writes, each with its data (torch.save({"inputs": X, "targets": Y})):
   plain.pt                the same GPT as one module that is not a Sequential (runs as one block)
   lossy.pt                a module whose forward(inputs, targets) returns the loss (--loss model)
   probe.pt                a fixed input for comparing outputs: {"inputs": X}
+  inplace.pt, inplace_data.pt  a CNN whose blocks start by writing into their input
+                          (ReLU(inplace=True), SiLU(inplace=True), x.add_), as torchvision's do
+  boom.pt                 a block that raises once given more than one sample (error messages)
 """
 import math
 import sys
@@ -75,6 +78,24 @@ class ResBlock(nn.Module):
         return torch.relu(x + self.bn2(self.conv2(torch.relu(self.bn1(self.conv1(x))))))
 
 
+class AddOne(nn.Module):
+    """Writes into its input, then convolves."""
+
+    def __init__(self, c):
+        super().__init__()
+        self.conv = nn.Conv2d(c, c, 3, padding=1)
+
+    def forward(self, x):
+        return self.conv(x.add_(1.0))
+
+
+class Boom(nn.Module):
+    def forward(self, x):
+        if x.size(0) > 1:
+            raise RuntimeError("boom: more than one sample")
+        return x
+
+
 class Plain(nn.Module):
     """The GPT as one module with its own forward: not a Sequential."""
 
@@ -111,6 +132,16 @@ def cnn():
                          nn.Sequential(nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(16, 10)))
 
 
+def inplace_cnn():
+    """Each block whose first op writes into its input follows one whose graph does not keep
+    that tensor (a Conv2d's or BatchNorm's output), as eager PyTorch requires."""
+    return nn.Sequential(nn.Conv2d(1, 16, 3, padding=1), nn.BatchNorm2d(16), nn.ReLU(inplace=True),
+                         nn.Conv2d(16, 16, 3, padding=1),
+                         nn.Sequential(nn.SiLU(inplace=True), nn.Conv2d(16, 16, 3, padding=1)),
+                         AddOne(16),
+                         nn.Sequential(nn.ReLU(inplace=True), nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(16, 10)))
+
+
 def main(out):
     torch.manual_seed(0)
     torch.jit.script(gpt(SEQ)).save(f"{out}/gpt.pt")
@@ -124,6 +155,10 @@ def main(out):
     labels = (images.mean(dim=(1, 2, 3)) > 0).long() + 2 * (images[:, 0, 0, 0] > 0).long()
     torch.save({"inputs": images, "targets": labels}, f"{out}/cnn_data.pt")
     torch.save({"inputs": torch.randint(0, VOCAB, (2, SEQ))}, f"{out}/probe.pt")
+    torch.jit.script(inplace_cnn()).save(f"{out}/inplace.pt")
+    torch.save({"inputs": torch.randn(256, 1, 24, 24), "targets": torch.randint(0, 10, (256,))}, f"{out}/inplace_data.pt")
+    torch.jit.script(nn.Sequential(nn.Linear(8, 8), Boom(), nn.Linear(8, 4))).save(f"{out}/boom.pt")
+    torch.save({"inputs": torch.randn(64, 8), "targets": torch.randint(0, 4, (64,))}, f"{out}/boom_data.pt")
 
 
 if __name__ == "__main__":

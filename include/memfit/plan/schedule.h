@@ -21,11 +21,24 @@ struct BlockCost {
   double backward_seconds = 0;
   int64_t output_bytes = 0;      // its output x_i
   bool output_kept = false;      // in a plain run, x_i stays alive for the next block's backward
+  bool keeps_own_output = false; // its own graph keeps x_i (a last op saving its result:
+                                 // ReLU(inplace=True), sigmoid): alive in its own backward too
   int64_t kept_bytes = 0;        // allocated in its forward and alive at the end of forward, plain run
                                  // (includes output_bytes when output_kept)
   int64_t forward_peak = 0;      // above the live bytes at its start, during its forward (with grad)
   int64_t forward_nograd_peak = 0;  // the same without grad (inside a checkpointed segment)
-  int64_t backward_peak = 0;     // above the live bytes at its backward's start (incl. its param grads)
+  int64_t backward_peak = 0;     // above the live bytes at its backward's start, its parameters'
+                                 // gradients made by it (a step's first micro-batch; incl. them);
+                                 // counts the gradient arriving for its output; that gradient and
+                                 // its input freed once the block's graph is done with them
+  int64_t backward_peak_accumulating = 0;  // the same with the gradients there before, added into
+                                           // (later micro-batches, kept gradients: temporaries only)
+  int64_t backward_held_input_bytes = 0;       // what its backward's peak grows by when its input
+                                               // outlives it (a segment's saved input; an output the
+                                               // block before keeps in its own graph)
+  int64_t backward_held_by_segment_bytes = 0;  // ... when it ends a checkpointed segment: the gradient
+                                               // that arrived and the recomputed output are held
+  int64_t backward_held_all_bytes = 0;         // ... both
   int64_t param_bytes = 0;       // its parameters (their gradients appear in its backward)
   int64_t cast_bytes = 0;        // autocast's low-precision copies of its weights (0 in fp32): a
                                  // step makes all of them before forward and caches them until
@@ -33,6 +46,13 @@ struct BlockCost {
   bool recomputable = true;      // false: never in a checkpointed segment (a part of the step its
                                  // caller cannot run again alone, such as the code before the
                                  // first block of a Python model); not in the profile's JSON
+  int64_t input_copy_bytes = 0;  // a block that writes into its input (an in-place first op) runs on
+                                 // a copy of an input kept by someone else: a checkpointed segment's
+                                 // saved input (forward and recompute), the chain's input (block 0)
+  bool input_copy_kept = false;  // its graph keeps that copy for backward (not as its output)
+  int64_t shared_gradient_bytes = 0;  // parts of gradients of parameters shared with later blocks
+                                      // (tied weights), waiting to be summed during its backward
+                                      // when gradients are already there (in place otherwise)
 };
 
 struct ChainCosts {

@@ -40,8 +40,10 @@ struct Verification {
 // `steps` real steps (>= 2; the optimizer of plan.config) on the workload's first batch; all
 // but the first, in steady state, are measured. If the budget does not hold (the peak passed
 // it; on CUDA, also an allocator retry), plans again tighter (up to 3 attempts) and updates `plan`.
+// `batch`: that first batch where the caller holds it (the one it profiled), so that the steps
+// run with one batch alive as training does; nullptr: made here.
 Verification verify_plan(Workload& workload, const Planner& planner, Plan& plan, MemoryTracker& tracker,
-                         bool measure_plain, int steps = 3);
+                         bool measure_plain, int steps = 3, const Batch* batch = nullptr);
 
 // plan_json(plan) with the measurements added ("measured", "verify_attempts", notes, the CUDA
 // prediction's fields, and on CUDA "measured"."cuda").

@@ -70,9 +70,34 @@ class Chain : public torch::nn::Module {
 
   int size() const { return static_cast<int>(blocks_.size()); }
   const Block& block(int index) const { return blocks_.at(static_cast<size_t>(index)); }
+  // How errors and notes name block `index`: "block 2 (embed)"; a TorchScript block, named
+  // "<child>:<type>", "block 2:relu (ReLU)".
+  std::string describe_block(int index) const;
   std::vector<std::string> block_names() const;  // in order: what reports and plans name blocks by
+  // The parameters blocks [first, last] read, each once.
   std::vector<at::Tensor> block_parameters(int first, int last) const;
   std::vector<at::Tensor> block_buffers(int first, int last) const;
+
+  // Each parameter once, in the order blocks first hold them. A tensor that several blocks
+  // hold (tied weights, as GPT-2's token embedding and output layer) is one parameter, as
+  // PyTorch's Module.parameters() has it; torch::nn::Module's own list names it once per holder
+  // (an optimizer given that list steps it twice a step). Hides torch::nn::Module::parameters.
+  std::vector<at::Tensor> parameters(bool recurse = true) const;
+  // For each of parameters(), the block whose backward makes its gradient: the last block that
+  // holds it (backward runs the blocks in reverse).
+  std::vector<int> parameter_blocks() const;
+
+  // Whether block `index` may write into its input tensor (an in-place first op, as
+  // torchvision's ReLU(inplace=True)): learned from the input's version counter whenever the
+  // block runs (outside inference mode); a block not run yet may. Such a block gets a copy of
+  // an input someone else keeps: a checkpointed segment's saved input, and the chain's own
+  // input (the caller's batch) once the block is known to write into it. Between blocks of a
+  // plain run it writes into the previous block's output, as in eager PyTorch.
+  bool may_write_input(int index) const;
+  // Runs the chain once, without grad, on a copy of `input` when a block has not run yet, so
+  // that may_write_input() is known for every block (`input` is left as it was). Dropout draws
+  // and running statistics move as in any forward; callers restore what they need.
+  void learn_input_writes(const at::Tensor& input);
 
   // Runs all blocks, checkpointing the plan's segments; each block's allocations are tagged
   // with its index for the memory tracker. With a block runner set, every block goes through
@@ -81,13 +106,21 @@ class Chain : public torch::nn::Module {
   // Empty: none (the default).
   void set_block_runner(BlockRunner runner) { runner_ = std::move(runner); }
   const BlockRunner& block_runner() const { return runner_; }
-  // Runs blocks [first, last] without checkpointing.
+  // Runs blocks [first, last] without checkpointing. An error inside a block (out of memory
+  // excepted, which stays what it is) comes out as a c10::Error of one line naming the block,
+  // what ran and the cause: "block 2:relu (ReLU), forward: <cause>".
   at::Tensor run_blocks(const at::Tensor& input, int first, int last);
+  // Runs block `index` alone, as run_blocks does; `running`, when given, is what its errors say
+  // ran ("profiling at micro-batch 8").
+  at::Tensor run_block(int index, const at::Tensor& x, const char* running = nullptr);
 
  private:
+  enum class InputWrites : int8_t { kUnknown, kNo, kYes };
   at::Tensor run_through_runner(const at::Tensor& input);
+  at::Tensor own_input(const at::Tensor& input) const;
 
   std::vector<Block> blocks_;
+  std::vector<InputWrites> input_writes_;  // by block, learned as blocks run
   BlockRunner runner_;
 };
 

@@ -12,8 +12,17 @@
 //   `input` does not require grad. Every tensor requiring grad that the block reads must be in
 //   `params` (usually module->parameters()); one that is not gets no gradient.
 // - Outside grad mode (evaluation) the block simply runs.
+// - The recompute's backward adds the parameters' gradients into their .grad as it makes them
+//   (as a plain run does), rather than holding them until the whole segment's backward is done.
 // - `buffers` (BatchNorm's running statistics and the like) are updated once, by the forward:
 //   the recompute's second update is undone (PyTorch's checkpoint updates them twice).
+// - A block whose first op writes into its input (ReLU(inplace=True), x.add_(...)) works when
+//   `block_may_write_input` says so: the forward and the recompute each run it on a copy of the
+//   saved input (the caller's tensor, left as it was), the recompute's as a tensor of the graph,
+//   not a leaf. Gradients equal the plain run's. (PyTorch 1.13's reentrant checkpoint
+//   refuses such a block; its non-reentrant one recomputes on the input the forward already
+//   wrote into: SiLU(inplace=True) then gets wrong gradients.) Without the flag, such a block
+//   writes into the saved input.
 // Nested checkpoints work: a checkpointed block may itself checkpoint its parts.
 #pragma once
 
@@ -26,7 +35,8 @@ namespace memfit {
 
 using BlockFn = std::function<at::Tensor(const at::Tensor&)>;
 
-at::Tensor checkpoint(BlockFn block, const at::Tensor& input, at::TensorList params, std::vector<at::Tensor> buffers = {});
+at::Tensor checkpoint(BlockFn block, const at::Tensor& input, at::TensorList params, std::vector<at::Tensor> buffers = {},
+                      bool block_may_write_input = false);
 
 // A block whose parameters exist in full only while gathered (ZeRO 3, train/zero_sharded.h):
 // the hooks make `params` hold their full values, free them again, and turn the full
@@ -48,6 +58,6 @@ struct GatheredParams {
 // grad mode the block runs between gather and release. Every process must run the same blocks
 // in the same order: the hooks may be collectives.
 at::Tensor checkpoint_gathered(BlockFn block, const at::Tensor& input, const at::Tensor& shard, GatheredParams gathered,
-                               std::vector<at::Tensor> buffers = {});
+                               std::vector<at::Tensor> buffers = {}, bool block_may_write_input = false);
 
 }  // namespace memfit
