@@ -483,6 +483,7 @@ TEST(PlanSearchTest, Zero3PrefetchCountsTheBlocksInFlight) {
       expected.blocks[k].forward_nograd_peak += extra[k].first;  // the forward pass
       expected.blocks[k].forward_peak += extra[k].second;        // the recompute, in backward
       expected.blocks[k].backward_peak += extra[k].second;
+      expected.blocks[k].backward_peak_accumulating += extra[k].second;
     }
     const Plan p = planner.evaluate(4, Precision::kFP32, CheckpointPlan::all(4), int64_t{1} << 40, std::nullopt, depth);
     EXPECT_EQ(p.config.prefetch_depth, depth);

@@ -3,6 +3,7 @@
 
 #include <ATen/autocast_mode.h>
 #include <c10/core/Allocator.h>
+#include <c10/util/Exception.h>
 #include <torch/optim/optimizer.h>
 #include <torch/version.h>
 
@@ -37,6 +38,17 @@ using ProcessGroupBackend = c10d::Backend;
 #else
 using ProcessGroupBackend = c10d::ProcessGroup;
 #endif
+
+// A c10::Error carrying only `message`: 1.13's constructor takes the backtrace as a string, 2.x's
+// as a lazily computed value (defaulted).
+template <typename Error = c10::Error>
+Error error_without_backtrace(std::string message) {
+  if constexpr (std::is_constructible_v<Error, std::string, std::string>) {
+    return Error(std::move(message), std::string());
+  } else {
+    return Error(std::move(message));
+  }
+}
 
 // c10::MemoryReportingInfoBase::reportMemoryUsage: the running totals were int64_t in 1.13
 // and became size_t in 2.x.

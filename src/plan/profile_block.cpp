@@ -8,6 +8,7 @@
 #include <chrono>
 #include <unordered_map>
 
+#include "memfit/compat.h"
 #include "memfit/errors.h"
 #include "memfit/runtime/step.h"
 #include "memfit/techniques/grads.h"
@@ -175,8 +176,8 @@ double measured_backward(const Chain& chain, int i, const at::Tensor& x, at::Ten
     throw;
   } catch (const c10::Error& e) {
     if (record) tracker.stop_recording();
-    throw c10::Error(chain.describe_block(i) + ", " + profiling_phase(x, " (backward)") + ": " +
-                         error_cause(e.what_without_backtrace()), "");
+    throw compat::error_without_backtrace(chain.describe_block(i) + ", " + profiling_phase(x, " (backward)") + ": " +
+                                          error_cause(e.what_without_backtrace()));
   }
   const double seconds = seconds_since(t0);
   if (record) tracker.stop_recording();

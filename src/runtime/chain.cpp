@@ -6,6 +6,7 @@
 #include <unordered_map>
 #include <unordered_set>
 
+#include "memfit/compat.h"
 #include "memfit/errors.h"
 #include "memfit/measure/memory_tracker.h"
 
@@ -196,7 +197,7 @@ at::Tensor Chain::run_block(int index, const at::Tensor& x, const char* running)
   at::Tensor y;
   const auto failed = [&](const std::string& what) {
     const std::string phase = running != nullptr ? running : running_phase();
-    return c10::Error(describe_block(index) + ", " + phase + ": " + error_cause(what), "");
+    return compat::error_without_backtrace(describe_block(index) + ", " + phase + ": " + error_cause(what));
   };
   try {
     y = blocks_[static_cast<size_t>(index)].forward(x);
