@@ -26,6 +26,7 @@ ROOT = os.path.dirname(os.path.abspath(__file__))
 # The library's sources the bindings reach (the linker drops what they do not use).
 LIBRARY_SOURCES = [
     "src/digest.cpp",
+    "src/errors.cpp",
     "src/measure/breakdown.cpp",
     "src/measure/budget_allocator.cpp",
     "src/measure/cuda_allocator_conf.cpp",
@@ -51,6 +52,7 @@ LIBRARY_SOURCES = [
     "src/plan/job.cpp",
     "src/plan/planner.cpp",
     "src/plan/profile.cpp",
+    "src/plan/profile_block.cpp",
     "src/plan/profile_cache.cpp",
     "src/plan/rank_states.cpp",
     "src/plan/schedule.cpp",

@@ -115,6 +115,13 @@ def _block_costs(parts, kept, output_kept, nograd, parameters):
         c.param_bytes = param[i]
         c.cast_bytes = 0  # measured inside the parts' own bytes (casts made as the step makes them)
         c.recomputable = 0 < i < count - 1
+        # In the schedule model's terms (schedule.h): the gradient arriving for the output is
+        # alive under the part's backward (and held to a segment's end), and the peak above it
+        # is the same whether gradients are there before or not (measured with them absent).
+        c.keeps_own_output = True
+        c.backward_peak_accumulating = c.backward_peak
+        c.backward_held_by_segment_bytes = c.output_bytes
+        c.backward_held_all_bytes = c.output_bytes
         costs.append(c)
         held += internal[i] + (c.output_bytes if c.output_kept else 0)
     return costs

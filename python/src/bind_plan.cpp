@@ -95,7 +95,11 @@ void bind_costs(py::module_& m) {
       .def_readwrite("backward_peak", &BlockCost::backward_peak)
       .def_readwrite("param_bytes", &BlockCost::param_bytes)
       .def_readwrite("cast_bytes", &BlockCost::cast_bytes)
-      .def_readwrite("recomputable", &BlockCost::recomputable);
+      .def_readwrite("recomputable", &BlockCost::recomputable)
+      .def_readwrite("keeps_own_output", &BlockCost::keeps_own_output)
+      .def_readwrite("backward_peak_accumulating", &BlockCost::backward_peak_accumulating)
+      .def_readwrite("backward_held_by_segment_bytes", &BlockCost::backward_held_by_segment_bytes)
+      .def_readwrite("backward_held_all_bytes", &BlockCost::backward_held_all_bytes);
   py::class_<ChainProfile>(m, "ChainProfile")
       .def(py::init<>())
       .def_readwrite("micro_batch", &ChainProfile::micro_batch)
