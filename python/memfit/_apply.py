@@ -63,7 +63,8 @@ class Step:
         self.budget = budget
         self.observer = observer or Observer()
         self.oom_splits = 0
-        self.optimizer = Adam8bit.from_optimizer(optimizer) if plan.optimizer_state == "8bit" else optimizer
+        eight_bit = plan.optimizer_state == "8bit" and not isinstance(optimizer, Adam8bit)
+        self.optimizer = Adam8bit.from_optimizer(optimizer) if eight_bit else optimizer
         self.scaler = _grad_scaler(self.precision, self.device)
         self._intercept = None
         if plan.segments:
