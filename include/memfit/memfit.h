@@ -14,11 +14,13 @@
 #include "memfit/measure/cuda_allocator_model.h"
 #include "memfit/measure/cuda_budget.h"
 #include "memfit/measure/cuda_reserved.h"
+#include "memfit/measure/memory_space.h"
 #include "memfit/measure/memory_tracker.h"
 #include "memfit/measure/size.h"
 
 // techniques/: each a small API, usable on its own.
 #include "memfit/techniques/accumulation.h"
+#include "memfit/techniques/activation_offload.h"
 #include "memfit/techniques/autocast.h"
 #include "memfit/techniques/cache.h"
 #include "memfit/techniques/checkpoint.h"
@@ -34,6 +36,7 @@
 #include "memfit/runtime/chain.h"
 #include "memfit/runtime/dataset.h"
 #include "memfit/runtime/optimizer.h"
+#include "memfit/runtime/optimizer_offload.h"
 #include "memfit/runtime/step.h"
 #include "memfit/runtime/step_config.h"
 #include "memfit/runtime/torchscript.h"

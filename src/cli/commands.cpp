@@ -89,14 +89,15 @@ void print_report_states(const Report& r) {
   }
 }
 
-
-int64_t parse_budget(const std::string& text) {
+int64_t parse_size_flag(const std::string& flag, const std::string& text) {
   try {
     return parse_size(text);
   } catch (const std::invalid_argument& e) {
-    throw std::invalid_argument(std::string("--budget: ") + e.what());
+    throw std::invalid_argument(flag + ": " + e.what());
   }
 }
+
+int64_t parse_budget(const std::string& text) { return parse_size_flag("--budget", text); }
 
 // The device memory outside CUDA's caching allocator (zeros on other devices), measured before
 // the model is moved there.
@@ -161,6 +162,7 @@ int run_plan_command(WorkloadFlags& wf, const StepFlags& sf, const PlanFlags& f)
   o.request.resident_bytes = std::max<int64_t>(0, BudgetAllocator::install().allocated() - tracker->current());
   o.request.step = step_config(sf, w.chain->size());
   o.request.checkpoint = pinned_checkpoint(sf.checkpoint, w.chain->size());
+  request_offload(o.request, parse_offload_mode(f.offload), f.host_budget.empty() ? 0 : parse_size_flag("--host-budget", f.host_budget));
   const OutsideMemory outside = outside_memory_on(o.request.step.device);
   o.request.outside_bytes = outside.total();  // on CUDA it counts against the budget too
   if (o.request.step.device.is_cuda()) o.request.resident_bytes = 0;  // the data stays in host memory
@@ -202,6 +204,8 @@ int run_plan_command(WorkloadFlags& wf, const StepFlags& sf, const PlanFlags& f)
 int run_train_command(WorkloadFlags& wf, const StepFlags& sf, TrainFlags& f) {
   TrainOptions& o = f.options;
   if (!f.budget.empty()) o.budget_bytes = parse_budget(f.budget);
+  o.offload = parse_offload_mode(f.offload);
+  if (!f.host_budget.empty()) o.host_budget_bytes = parse_size_flag("--host-budget", f.host_budget);
   if (!f.inject_oom.empty()) {
     try {
       o.inject_oom = parse_step_list(f.inject_oom, o.steps);

@@ -19,6 +19,8 @@ struct ReportFlags {
 
 struct PlanFlags {
   std::string budget;
+  std::string offload = "none";
+  std::string host_budget;
   bool json = false;
   bool verify = true;
   int verify_steps = 3;
@@ -28,6 +30,8 @@ struct TrainFlags {
   TrainOptions options;
   std::string budget;
   std::string inject_oom;
+  std::string offload = "none";
+  std::string host_budget;
   bool progress = true;
   int64_t progress_every = 0;  // not on a terminal: a line every K steps (0: about 20 lines a run)
 };

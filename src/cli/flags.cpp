@@ -153,6 +153,7 @@ const std::map<std::string, std::string>& flag_names() {
       {"gpt.layers", "--layers"}, {"mlp.layers", "--layers"}, {"gpt.d_model", "--d-model"}, {"gpt.heads", "--heads"},
       {"gpt.seq", "--seq"}, {"gpt.dropout", "--dropout"}, {"gpt.vocab", "--data"}, {"cnn.blocks", "--blocks"},
       {"cnn.channels", "--channels"}, {"mlp.width", "--width"}, {"world_size", "--world-size"}, {"zero_stage", "--zero"}, {"prefetch_depth", "--prefetch-depth"},
+      {"offload", "--offload"}, {"host_budget", "--host-budget"},
       {"distributed.world_size", "--world-size"}, {"distributed.rank", "--rank"}, {"distributed.master", "--master"},
       {"distributed.timeout", "--dist-timeout"}, {"save_every", "--save-every"}, {"eval_every", "--eval-every"}, {"progress_every", "--progress-every"},
       {"eval_batches", "--eval-batches"}, {"inject_oom", "--inject-oom"}, {"json_log", "--json-log"},

@@ -32,6 +32,14 @@ CLI::App* add_command(CLI::App& app, const char* name, const char* help, Workloa
   return cmd;
 }
 
+void add_offload_flags(CLI::App& cmd, std::string& offload, std::string& host_budget) {
+  cmd.add_option("--offload", offload,
+                 "what goes to host memory: none, optimizer (state, step, fp32 weights, gradients streamed), "
+                 "activations (of the blocks the plan chooses), all, auto (each only where it pays)")
+      ->capture_default_str();
+  cmd.add_option("--host-budget", host_budget, "host bytes an offloading plan may use (default: unlimited)");
+}
+
 CLI::App* add_report(CLI::App& app, WorkloadFlags& w, StepFlags& s, ReportFlags& f) {
   CLI::App* cmd = add_command(app, "report", "run real training steps and show where the memory goes", w, s, false);
   cmd->add_option("--steps", f.steps, "training steps; the last is analysed")->capture_default_str();
@@ -51,6 +59,7 @@ CLI::App* add_plan(CLI::App& app, WorkloadFlags& w, StepFlags& s, PlanFlags& f) 
   cmd->add_flag("!--no-verify", f.verify, "predict only; do not run real steps");
   cmd->add_option("--verify-steps", f.verify_steps, "real steps that verify the plan (the first warms up)")
       ->capture_default_str();
+  add_offload_flags(*cmd, f.offload, f.host_budget);
   return cmd;
 }
 
@@ -80,6 +89,7 @@ CLI::App* add_train(CLI::App& app, WorkloadFlags& w, StepFlags& s, TrainFlags& f
       ->capture_default_str();
   cmd->add_option("--prefetch-depth", o.distributed.prefetch_depth,
                   "--zero 3: blocks whose weights are gathered ahead of the one running, 0 to 2 (default: the plan chooses)");
+  add_offload_flags(*cmd, f.offload, f.host_budget);
   cmd->add_option("--dist-timeout", o.distributed.timeout_seconds, "seconds to wait for other ranks (rendezvous, each collective)")
       ->capture_default_str();
   cmd->add_option("--dump-weights", o.dump_weights, "write all parameters as raw float32 (tests)")->group("");

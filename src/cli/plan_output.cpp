@@ -21,6 +21,7 @@ void print_configuration(const Plan& plan, const std::vector<std::string>& block
              names.empty() ? "" : " (" + fmt::format("{}", fmt::join(names, " ")) + ")",
              plan.checkpoint_pinned ? " (pinned)" : "");
   fmt::print("  {:<28}{}\n", "optimizer", c.optimizer.describe());
+  if (c.offload.any()) fmt::print("  {:<28}{}\n", "offloaded to the host", c.offload.describe());
   if (c.prefetch_depth > 0) {
     fmt::print("  {:<28}{} block{} ahead, gradients reduced during the next block's backward\n", "gathered (ZeRO 3)",
                c.prefetch_depth, c.prefetch_depth == 1 ? "" : "s");
@@ -44,6 +45,7 @@ void print_cuda_verification(const Verification& v) {
 void print_predictions(const Plan& plan, const Verification* v) {
   const double plain = std::max(1e-12, plan.plain_predicted_seconds);
   fmt::print("  {:<28}{}\n", "predicted peak", bytes_cell(plan.predicted_peak));
+  if (plan.config.offload.any()) fmt::print("  {:<28}{}\n", "predicted host peak", bytes_cell(plan.predicted_host_peak));
   if (v == nullptr) {
     fmt::print("  {:<28}{:.2f}x predicted\n", "step time vs plain step", plan.predicted_seconds / plain);
     return;

@@ -89,6 +89,10 @@ void TrainOutput::on_summary(const TrainSummary& s) {
   if (s.evaluated) fmt::print(", held-out loss {:.6g}", s.eval_loss);
   fmt::print("\n  peak {} ({} bytes) of a {} budget; out-of-memory recoveries: {}\n", format_bytes(s.peak_bytes), s.peak_bytes,
              format_bytes(s.budget_bytes), s.oom_recoveries);
+  if (s.plan.config.offload.any()) {
+    fmt::print("  host peak {} ({} bytes; predicted {}): {} offloaded\n", format_bytes(s.host_peak_bytes), s.host_peak_bytes,
+               format_bytes(s.plan.predicted_host_peak), s.plan.config.offload.describe());
+  }
   if (s.skipped_steps > 0) fmt::print("  optimizer steps skipped by the loss scaler (inf/NaN gradients): {}\n", s.skipped_steps);
   if (s.skipped_updates > 0) {
     fmt::print("  parameter updates skipped by the 8-bit optimizer (inf/NaN gradients; weights and state kept): {}\n",

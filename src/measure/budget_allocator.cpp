@@ -7,12 +7,23 @@
 #include <cstring>
 #include <string>
 
+#include "memfit/measure/memory_space.h"
 #include "memfit/measure/size.h"
 
 namespace memfit {
 namespace {
 std::atomic<BudgetAllocator*> g_installed{nullptr};
+
+// The header's fields: the size, then whether the allocation is in the host pool.
+constexpr size_t kHostFlagOffset = sizeof(int64_t);
+
+void running_max(std::atomic<int64_t>& peak, int64_t value) {
+  // A lost race only delays the peak by one allocation.
+  int64_t seen = peak.load();
+  while (value > seen && !peak.compare_exchange_weak(seen, value)) {
+  }
 }
+}  // namespace
 
 BudgetAllocator& BudgetAllocator::install() {
   static BudgetAllocator* instance = [] {
@@ -35,6 +46,7 @@ c10::DataPtr BudgetAllocator::allocate(size_t nbytes) MEMFIT_ALLOCATE_CONST {
   const c10::Device cpu(c10::kCPU);
   if (nbytes == 0) return c10::DataPtr(nullptr, nullptr, &Delete, cpu);
   const auto n = static_cast<int64_t>(nbytes);
+  if (current_cpu_space() == MemorySpace::kHost) return allocate_host(n);
 
   const int64_t countdown = fail_countdown_.load();
   bool injected = false;
@@ -51,15 +63,24 @@ c10::DataPtr BudgetAllocator::allocate(size_t nbytes) MEMFIT_ALLOCATE_CONST {
                      "; budget ", budget == kUnlimited ? std::string("unlimited") : format_bytes(budget),
                      ", ", format_bytes(after - n), " already allocated");
   }
-  // Peak is a running max; a lost race only delays it by one allocation.
-  int64_t seen = peak_.load();
-  while (after > seen && !peak_.compare_exchange_weak(seen, after)) {
-  }
+  running_max(peak_, after);
+  return with_header(n, /*host=*/false, after);
+}
 
-  auto* base = static_cast<char*>(c10::alloc_cpu(nbytes + kHeader));
+c10::DataPtr BudgetAllocator::allocate_host(int64_t n) const {
+  const int64_t after = host_allocated_.fetch_add(n) + n;
+  running_max(host_peak_, after);
+  return with_header(n, /*host=*/true, after);
+}
+
+c10::DataPtr BudgetAllocator::with_header(int64_t n, bool host, int64_t total) {
+  const c10::Device cpu(c10::kCPU);
+  auto* base = static_cast<char*>(c10::alloc_cpu(static_cast<size_t>(n) + kHeader));
   std::memcpy(base, &n, sizeof(n));
+  base[kHostFlagOffset] = host ? 1 : 0;
   void* data = base + kHeader;
-  c10::reportMemoryUsageToProfiler(data, n, after, after, cpu);
+  // The tracker tells the pools apart by the thread's space (memory_tracker.cpp).
+  c10::reportMemoryUsageToProfiler(data, n, total, total, cpu);
   return c10::DataPtr(data, data, &Delete, cpu);
 }
 
@@ -69,7 +90,8 @@ void BudgetAllocator::Delete(void* data) {
   int64_t n = 0;
   std::memcpy(&n, base, sizeof(n));
   BudgetAllocator* self = g_installed.load();
-  const int64_t after = self->allocated_.fetch_sub(n) - n;
+  auto& pool = base[kHostFlagOffset] != 0 ? self->host_allocated_ : self->allocated_;
+  const int64_t after = pool.fetch_sub(n) - n;
   c10::reportMemoryUsageToProfiler(data, -n, after, after, c10::Device(c10::kCPU));
   c10::free_cpu(base);
 }

@@ -1,5 +1,7 @@
 #include "memfit/measure/memory_tracker.h"
 
+#include "memfit/measure/memory_space.h"
+
 #include <utility>
 
 #include <algorithm>
@@ -38,7 +40,9 @@ void MemoryTracker::reportMemoryUsage(void* ptr, int64_t alloc_size, compat::Rep
   if (alloc_size == 0) return;
   MemoryDevice dev;
   if (device.is_cpu()) {
-    dev = MemoryDevice::kCPU;
+    // An allocation in the host pool is made on the thread inside a HostSpaceGuard; its free
+    // finds the pool in live_.
+    dev = current_cpu_space() == MemorySpace::kHost ? MemoryDevice::kHost : MemoryDevice::kCPU;
   } else if (device.is_cuda()) {
     dev = MemoryDevice::kCUDA;
   } else {
@@ -73,6 +77,17 @@ void MemoryTracker::adopt(const void* ptr, int64_t bytes, MemoryDevice device) {
   const int d = static_cast<int>(device);
   current_[d] += bytes;
   note_live_locked(device);
+}
+
+int64_t MemoryTracker::allocation_order(const void* ptr) const {
+  std::lock_guard<std::mutex> lock(mutex_);
+  const auto it = live_.find(ptr);
+  return it == live_.end() ? -1 : it->second.order;
+}
+
+int64_t MemoryTracker::next_allocation_order() const {
+  std::lock_guard<std::mutex> lock(mutex_);
+  return next_order_;
 }
 
 int64_t MemoryTracker::current(MemoryDevice device) const {

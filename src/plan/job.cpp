@@ -4,6 +4,7 @@
 
 #include <cmath>
 
+#include "memfit/measure/memory_space.h"
 #include "memfit/measure/size.h"
 #include "memfit/plan/profile.h"
 #include "memfit/techniques/rng.h"
@@ -30,6 +31,12 @@ Plan plan_timing_as_needed(Planner& planner, int64_t budget_bytes, const ChainTi
   }
   if (timed != nullptr) *timed = count;
   return plan;
+}
+
+void request_offload(PlanRequest& request, OffloadMode mode, int64_t host_budget_bytes) {
+  allow_offload(request, mode);
+  request.host_budget_bytes = host_budget_bytes;
+  if (mode != OffloadMode::kNone) request.host_copy_bytes_per_second = measure_copy_bytes_per_second(request.step.device);
 }
 
 PlanJob::PlanJob(Workload& workload, BatchSource batch, PlanJobOptions options, MemoryTracker& tracker,

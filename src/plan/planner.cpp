@@ -25,6 +25,35 @@ std::vector<Precision> precision_candidates(const std::string& text, c10::Device
   return {p};
 }
 
+OffloadMode parse_offload_mode(const std::string& text) {
+  for (OffloadMode m : {OffloadMode::kNone, OffloadMode::kOptimizer, OffloadMode::kActivations, OffloadMode::kAll,
+                        OffloadMode::kAuto}) {
+    if (text == offload_mode_name(m)) return m;
+  }
+  throw OptionError("offload", text, "expected none, optimizer, activations, all or auto");
+}
+
+const char* offload_mode_name(OffloadMode mode) {
+  switch (mode) {
+    case OffloadMode::kNone: return "none";
+    case OffloadMode::kOptimizer: return "optimizer";
+    case OffloadMode::kActivations: return "activations";
+    case OffloadMode::kAll: return "all";
+    case OffloadMode::kAuto: return "auto";
+  }
+  return "none";
+}
+
+void allow_offload(PlanRequest& request, OffloadMode mode) {
+  switch (mode) {
+    case OffloadMode::kOptimizer:
+    case OffloadMode::kAll: request.optimizer_offload = {true}; break;
+    case OffloadMode::kAuto: request.optimizer_offload = {false, true}; break;
+    default: request.optimizer_offload = {false};
+  }
+  request.activation_offload = mode == OffloadMode::kActivations || mode == OffloadMode::kAll || mode == OffloadMode::kAuto;
+}
+
 Planner::Planner(WorkloadProfile profile, PlanRequest request) : profile_(std::move(profile)), request_(std::move(request)) {
   const int64_t B = request_.step.batch;
   check_option(B >= 1 && B == profile_.batch, "batch", B,
@@ -35,6 +64,17 @@ Planner::Planner(WorkloadProfile profile, PlanRequest request) : profile_(std::m
   TORCH_CHECK(std::any_of(profile_.precisions.begin(), profile_.precisions.end(),
                           [](const PrecisionProfile& p) { return !p.chain_seconds.empty(); }),
               "memfit::Planner: the profile holds no chain times (expected at least one precision timed)");
+  TORCH_CHECK(!request_.optimizer_offload.empty(), "memfit::Planner: the request allows the optimizer nowhere");
+  for (bool on_host : request_.optimizer_offload) {
+    for (OptimizerCost c : std::vector<OptimizerCost>{request_.optimizer}) {
+      c.on_host = on_host;
+      placed_.push_back(c);
+    }
+    for (OptimizerCost c : request_.optimizer_alternatives) {
+      c.on_host = on_host;
+      placed_.push_back(c);
+    }
+  }
 }
 
 const PrecisionProfile& Planner::precision_profile(Precision precision) const {
@@ -44,17 +84,54 @@ const PrecisionProfile& Planner::precision_profile(Precision precision) const {
   TORCH_CHECK(false, "memfit::Planner: precision ", precision_name(precision), " was not profiled");
 }
 
-const OptimizerCost& Planner::optimizer_cost(StatePrecision state) const {
-  for (const OptimizerCost* c : optimizer_candidates()) {
-    if (c->state == state) return *c;
+const OptimizerCost& Planner::optimizer_cost(StatePrecision state, bool on_host) const {
+  for (const OptimizerCost& c : placed_) {
+    if (c.state == state && c.on_host == on_host) return c;
   }
-  TORCH_CHECK(false, "memfit::Planner: the optimizer was not measured with ", state_precision_name(state), " state");
+  TORCH_CHECK(false, "memfit::Planner: the optimizer was not measured with ", state_precision_name(state), " state",
+              on_host ? " or is not allowed on the host" : "");
+}
+
+std::vector<const OptimizerCost*> Planner::optimizer_candidates(bool on_host) const {
+  std::vector<const OptimizerCost*> out;
+  for (const OptimizerCost& c : placed_) {
+    if (c.on_host == on_host) out.push_back(&c);
+  }
+  return out;
 }
 
 std::vector<const OptimizerCost*> Planner::optimizer_candidates() const {
-  std::vector<const OptimizerCost*> out{&request_.optimizer};
-  for (const auto& c : request_.optimizer_alternatives) out.push_back(&c);
+  std::vector<const OptimizerCost*> out;
+  for (const OptimizerCost& c : placed_) out.push_back(&c);
   return out;
+}
+
+int64_t Planner::host_peak(const OptimizerCost& optimizer, int64_t activations) const {
+  if (!optimizer.on_host) return activations;
+  // fp32 masters of the weights, every gradient summed there, the state: through the step (with
+  // its temporaries) and through every micro-batch's backward (with its activations).
+  const int64_t held = profile_.weight_bytes + profile_.weight_bytes + optimizer.state_bytes;
+  return held + std::max(optimizer.step_bytes, activations);
+}
+
+double Planner::offload_seconds(int64_t m, const OptimizerCost& optimizer) const {
+  if (!optimizer.on_host || request_.host_copy_bytes_per_second <= 0) return 0;
+  // Each micro-batch's gradients go to the host; the updated weights come back once.
+  const int64_t micro_batches = (profile_.batch + m - 1) / m;
+  const double bytes = static_cast<double>(micro_batches + 1) * static_cast<double>(profile_.weight_bytes);
+  return bytes / request_.host_copy_bytes_per_second;
+}
+
+int64_t Planner::smallest_host_bytes() const {
+  int64_t smallest = std::numeric_limits<int64_t>::max();
+  for (const OptimizerCost& c : placed_) {
+    if (c.on_host) smallest = std::min(smallest, host_peak(c, 0));
+  }
+  return smallest == std::numeric_limits<int64_t>::max() ? 0 : smallest;
+}
+
+bool Planner::fits_host(const OptimizerCost& optimizer) const {
+  return request_.host_budget_bytes <= 0 || host_peak(optimizer, 0) <= request_.host_budget_bytes;
 }
 
 ChainCosts Planner::costs_at(int64_t m) const { return costs_at(m, profile_.precisions.front(), request_.optimizer); }
@@ -123,7 +200,7 @@ std::vector<std::pair<Precision, int64_t>> Planner::untimed_rival_sizes(const Pl
   add(plan);
   if (!plan.feasible) return out;
   const auto usable = usable_bytes(plan.budget_bytes);
-  const OptimizerCost& optimizer = optimizer_cost(plan.config.optimizer.state);
+  const OptimizerCost& optimizer = optimizer_cost(plan.config.optimizer.state, plan.config.offload.optimizer);
   for (const auto& pp : profile_.precisions) {
     const int64_t largest_timed = pp.chain_seconds.empty() ? 0 : pp.chain_seconds.back().micro_batch;
     for (int64_t m : candidate_sizes()) {
@@ -187,10 +264,15 @@ ChainCosts Planner::costs_at(int64_t m, const PrecisionProfile& p, const Optimiz
       b.backward_seconds *= scale;
     }
   }
-  c.fixed_bytes = weight_bytes() + optimizer.state_bytes + profile_.batch_bytes + request_.resident_bytes;
-  c.gradients_present = m < profile_.batch || !request_.step.set_to_none;
+  c.fixed_bytes = weight_bytes() + (optimizer.on_host ? 0 : optimizer.state_bytes) + profile_.batch_bytes +
+                  request_.resident_bytes;
+  // Offloaded, the gradients leave for the host as backward makes them: none wait on the device.
+  c.gradients_streamed = optimizer.on_host;
+  c.gradients_present = !optimizer.on_host && (m < profile_.batch || !request_.step.set_to_none);
   c.segment_overhead_bytes = profile_.segment_overhead_bytes;
   c.non_reentrant = profile_.non_reentrant_checkpoint;
+  c.activation_offload = request_.activation_offload && request_.gathered_blocks.empty();
+  c.copy_bytes_per_second = request_.host_copy_bytes_per_second;
   if (!request_.gathered_blocks.empty()) add_gathered_blocks(c, prefetch_depth);
   return c;
 }
@@ -265,19 +347,23 @@ void Planner::add_gathered_blocks(ChainCosts& c, int prefetch_depth) const {
 int64_t Planner::optimizer_peak(const OptimizerCost& optimizer) const {
   // The optimizer step: weights, gradients, the optimizer's state and temporaries (both
   // measured), the batch, and what else lives then (state gathered for saving).
+  // Offloaded, the device holds the weights alone (the step runs on the host).
   const int64_t gradients = request_.gradient_bytes >= 0 ? request_.gradient_bytes : profile_.weight_bytes;
-  return weight_bytes() + gradients + optimizer.state_bytes + optimizer.step_bytes +
-         profile_.batch_bytes + request_.extra_bytes + request_.resident_bytes;
+  const int64_t optimizer_bytes = optimizer.on_host ? 0 : gradients + optimizer.state_bytes + optimizer.step_bytes;
+  return weight_bytes() + optimizer_bytes + profile_.batch_bytes + request_.extra_bytes + request_.resident_bytes;
 }
 
-double Planner::step_seconds(int64_t m, const PrecisionProfile& p, const std::vector<std::pair<int, int>>& segments,
+double Planner::step_seconds(int64_t m, const PrecisionProfile& p, const Schedule& schedule,
                              const OptimizerCost& optimizer) const {
   const int64_t B = profile_.batch;
   const int64_t full = B / m, rest = B % m;
   // (The chain's seconds do not depend on the optimizer's bytes.)
-  double seconds = static_cast<double>(full) * evaluate_schedule(costs_at(m, p, request_.optimizer), segments).seconds;
-  if (rest > 0) seconds += evaluate_schedule(costs_at(rest, p, request_.optimizer), segments).seconds;
-  return seconds + optimizer.seconds;
+  const auto seconds_at = [&](int64_t size) {
+    return evaluate_schedule(costs_at(size, p, request_.optimizer), schedule.segments, schedule.offloaded).seconds;
+  };
+  double seconds = static_cast<double>(full) * seconds_at(m);
+  if (rest > 0) seconds += seconds_at(rest);
+  return seconds + optimizer.seconds + offload_seconds(m, optimizer);
 }
 
 Schedule Planner::uniform(int64_t m, int segments) const {
@@ -305,22 +391,25 @@ Plan Planner::prediction_base(int64_t budget) const {
 }
 
 Plan Planner::evaluate(int64_t m, Precision precision, const CheckpointPlan& checkpoint, int64_t budget,
-                       std::optional<StatePrecision> state, int prefetch_depth) const {
+                       std::optional<StatePrecision> state, int prefetch_depth, const OffloadPlan& offload) const {
   if (budget <= 0) budget = request_.budget_bytes;
   check_option(m >= 1 && m <= profile_.batch, "micro_batch", m, "expected 1 to batch (" + std::to_string(profile_.batch) + ")");
   const PrecisionProfile& pp = precision_profile(precision);
-  const OptimizerCost& optimizer = state ? optimizer_cost(*state) : request_.optimizer;
+  const OptimizerCost& optimizer = optimizer_cost(state ? *state : request_.optimizer.state, offload.optimizer);
   Plan p = prediction_base(budget);
   p.config.micro_batch = m;
   p.config.precision = precision;
   p.config.checkpoint = checkpoint;
   p.config.optimizer = request_.step.optimizer.with_state(optimizer.state);
   p.config.prefetch_depth = prefetch_depth;
-  p.predicted_peak = std::max(evaluate_schedule(costs_at(m, pp, optimizer, prefetch_depth), checkpoint.segments).peak_bytes,
-                              optimizer_peak(optimizer));
-  p.predicted_seconds = step_seconds(m, pp, checkpoint.segments, optimizer);
+  p.config.offload = offload;
+  const Schedule s = evaluate_schedule(costs_at(m, pp, optimizer, prefetch_depth), checkpoint.segments,
+                                       offload.activation_blocks);
+  p.predicted_peak = std::max(s.peak_bytes, optimizer_peak(optimizer));
+  p.predicted_host_peak = host_peak(optimizer, s.host_bytes);
+  p.predicted_seconds = step_seconds(m, pp, s, optimizer);
   const auto usable = usable_bytes(budget);
-  p.feasible = p.predicted_peak <= usable;
+  p.feasible = p.predicted_peak <= usable && fits_host(optimizer);
   return p;
 }
 
@@ -331,7 +420,10 @@ int64_t Planner::floor_bytes() const {
   const int depth = request_.prefetch_depths.empty()
                         ? 0 : *std::min_element(request_.prefetch_depths.begin(), request_.prefetch_depths.end());
   int64_t smallest = std::numeric_limits<int64_t>::max();
-  for (const OptimizerCost* optimizer : optimizer_candidates()) {
+  const auto candidates = optimizer_candidates();
+  const bool any_fits_host = std::any_of(candidates.begin(), candidates.end(), [this](auto* o) { return fits_host(*o); });
+  for (const OptimizerCost* optimizer : candidates) {
+    if (any_fits_host && !fits_host(*optimizer)) continue;  // (none fits: the host budget is what fails)
     for (const auto& pp : profile_.precisions) {
       const ChainCosts c = costs_at(m, pp, *optimizer, depth);
       const int64_t s = request_.checkpoint ? evaluate_schedule(c, request_.checkpoint->segments).peak_bytes : smallest_peak(c);
@@ -363,6 +455,7 @@ Plan Planner::unfitted_plan(Precision precision, StatePrecision state) const {
   return p;
 }
 
+
 Plan Planner::best_plan_at(int64_t m, const PrecisionProfile& pp, const OptimizerCost& optimizer, int64_t usable) const {
   Plan p = unfitted_plan(pp.precision, optimizer.state);
   for (int depth : request_.prefetch_depths) {
@@ -375,16 +468,20 @@ Plan Planner::best_plan_at(int64_t m, const PrecisionProfile& pp, const Optimize
 Plan Planner::best_plan_at(int64_t m, const PrecisionProfile& pp, const OptimizerCost& optimizer, int prefetch_depth,
                            int64_t usable) const {
   Plan p = unfitted_plan(pp.precision, optimizer.state);
-  if (optimizer_peak(optimizer) > usable) return p;
+  if (optimizer_peak(optimizer) > usable || !fits_host(optimizer)) return p;
   const ChainCosts costs = costs_at(m, pp, optimizer, prefetch_depth);
   const Schedule s = request_.checkpoint ? evaluate_schedule(costs, request_.checkpoint->segments) : solve_schedule(costs, usable);
   if (!s.feasible || s.peak_bytes > usable) return p;
+  if (request_.host_budget_bytes > 0 && host_peak(optimizer, s.host_bytes) > request_.host_budget_bytes) return p;
   p.feasible = true;
   p.config.micro_batch = m;
   p.config.checkpoint.segments = s.segments;
   p.config.prefetch_depth = prefetch_depth;
+  p.config.offload.optimizer = optimizer.on_host;
+  p.config.offload.activation_blocks = s.offloaded;
   p.predicted_peak = std::max(s.peak_bytes, optimizer_peak(optimizer));
-  p.predicted_seconds = step_seconds(m, pp, s.segments, optimizer);
+  p.predicted_host_peak = host_peak(optimizer, s.host_bytes);
+  p.predicted_seconds = step_seconds(m, pp, s, optimizer);
   return p;
 }
 
@@ -438,9 +535,9 @@ Plan Planner::best_plan_with(const OptimizerCost& optimizer, int64_t usable) con
 }
 
 void Planner::explain_state_choice(Plan& p, const std::vector<Plan>& best_with, int64_t budget) const {
-  const auto candidates = optimizer_candidates();
+  const auto candidates = optimizer_candidates(p.config.offload.optimizer);
   if (candidates.size() < 2) return;
-  const OptimizerCost& chosen = optimizer_cost(p.config.optimizer.state);
+  const OptimizerCost& chosen = optimizer_cost(p.config.optimizer.state, p.config.offload.optimizer);
   const OptimizerCost& base = *candidates.front();
   const std::string state = state_precision_name(chosen.state), base_name = state_precision_name(base.state);
   const std::string bytes = " (state " + format_bytes(chosen.state_bytes) + " vs " + format_bytes(base.state_bytes) + ")";
@@ -465,14 +562,10 @@ void Planner::explain_state_choice(Plan& p, const std::vector<Plan>& best_with, 
   p.notes.push_back(buf + bytes + " (`optimizer.state` fp32 forbids it)");
 }
 
-Plan Planner::plan(int64_t budget) const {
-  if (budget <= 0) budget = request_.budget_bytes;
-  Plan p = prediction_base(budget);
-  p.notes = profile_.notes;
-  const auto usable = usable_bytes(budget);
+Plan Planner::best_plan_placed(bool on_host, int64_t usable, int64_t budget) const {
   // The best plan with each optimizer state; the first (the spec's, fp32 under auto) is kept
   // unless another fits when it does not, or is faster (within 1%) with its optimizer step.
-  const auto candidates = optimizer_candidates();
+  const auto candidates = optimizer_candidates(on_host);
   std::vector<Plan> best_with;
   size_t chosen = candidates.size();
   for (size_t i = 0; i < candidates.size(); ++i) {
@@ -482,18 +575,70 @@ Plan Planner::plan(int64_t budget) const {
       chosen = i;
     }
   }
-  if (chosen == candidates.size()) {
+  if (chosen == candidates.size()) return best_with.front();
+  Plan p = best_with[chosen];
+  explain_state_choice(p, best_with, budget);
+  return p;
+}
+
+void Planner::explain_placement(Plan& p, const std::vector<Plan>& best_placed) const {
+  if (best_placed.size() < 2) return;
+  const Plan& other = best_placed[p.config.offload.optimizer == request_.optimizer_offload.front() ? 1 : 0];
+  const std::string host = format_bytes(p.predicted_host_peak) + " on the host";
+  if (!p.config.offload.optimizer) {
+    char buf[160];
+    std::snprintf(buf, sizeof buf, "optimizer kept on the device: offloaded, its best plan is predicted %.2fx the time",
+                  other.predicted_seconds / p.predicted_seconds);
+    p.notes.push_back(other.feasible ? buf : "optimizer kept on the device: no plan offloading it fits either");
+    return;
+  }
+  const bool copies = request_.host_copy_bytes_per_second > 0;
+  std::string why = other.feasible ? "its best plan is predicted faster" : "no plan with it on the device fits";
+  p.notes.push_back("optimizer offloaded to the host (" + host + "): " + why +
+                    (copies ? "" : "; copy time not counted"));
+}
+
+Plan Planner::plan(int64_t budget) const {
+  if (budget <= 0) budget = request_.budget_bytes;
+  Plan p = prediction_base(budget);
+  p.notes = profile_.notes;
+  const auto usable = usable_bytes(budget);
+  // The best plan at each placement of the optimizer; the first (the device, unless pinned) is
+  // kept unless another fits when it does not, or is faster (within 1%).
+  std::vector<Plan> best_placed;
+  size_t chosen = request_.optimizer_offload.size();
+  for (size_t i = 0; i < request_.optimizer_offload.size(); ++i) {
+    best_placed.push_back(best_plan_placed(request_.optimizer_offload[i], usable, budget));
+    if (!best_placed[i].feasible) continue;
+    const bool faster = chosen < best_placed.size() &&
+                        best_placed[i].predicted_seconds < 0.99 * best_placed[chosen].predicted_seconds;
+    if (chosen == request_.optimizer_offload.size() || faster) chosen = i;
+  }
+  if (chosen == request_.optimizer_offload.size()) {
     p.notes.push_back("no plan fits " + format_bytes(budget) + ": the smallest budget that works is " +
                       format_bytes(p.floor_bytes) + " (" + std::to_string(p.floor_bytes) + " bytes)");
+    if (request_.host_budget_bytes > 0 && smallest_host_bytes() > request_.host_budget_bytes) {
+      p.notes.push_back("the host budget " + format_bytes(request_.host_budget_bytes) +
+                        " is below what offloading the optimizer needs there: " + format_bytes(smallest_host_bytes()) +
+                        " (" + std::to_string(smallest_host_bytes()) + " bytes)");
+    }
     return p;
   }
-  const Plan& best = best_with[chosen];
+  Plan& best = best_placed[chosen];
+  explain_placement(best, best_placed);
   p.feasible = true;
   p.config = best.config;
   p.predicted_peak = best.predicted_peak;
+  p.predicted_host_peak = best.predicted_host_peak;
   p.predicted_seconds = best.predicted_seconds;
   p.notes.insert(p.notes.end(), best.notes.begin(), best.notes.end());
-  explain_state_choice(p, best_with, budget);
+  if (!p.config.offload.activation_blocks.empty()) {
+    char buf[200];
+    std::snprintf(buf, sizeof buf, "; copies modelled at %.2f GB/s each way", request_.host_copy_bytes_per_second / 1e9);
+    p.notes.push_back("activations of " + std::to_string(p.config.offload.activation_blocks.size()) +
+                      " blocks offloaded to the host: copying them there and back is predicted faster than recomputing"
+                      " them or a smaller micro-batch" + (request_.host_copy_bytes_per_second > 0 ? buf : ""));
+  }
   if (request_.prefetch_depths.size() > 1 && p.config.prefetch_depth != request_.prefetch_depths.front()) {
     p.notes.push_back("prefetch depth " + std::to_string(p.config.prefetch_depth) + ": deeper does not fit at micro-batch " +
                       std::to_string(p.config.micro_batch_size()));
@@ -509,7 +654,8 @@ nlohmann::json plan_json(const Plan& p) {
           {"floor_bytes", p.floor_bytes},
           {"config", p.feasible ? step_config_json(p.config) : nlohmann::json(nullptr)},
           {"checkpoint_pinned", p.checkpoint_pinned},
-          {"predicted", {{"peak_bytes", p.predicted_peak}, {"seconds", p.predicted_seconds},
+          {"predicted", {{"peak_bytes", p.predicted_peak}, {"host_peak_bytes", p.predicted_host_peak},
+                         {"seconds", p.predicted_seconds},
                          {"step_time_ratio", p.predicted_seconds / plain}}},
           {"plain", {{"precision", precision_name(p.baseline_precision)},
                      {"predicted_peak_bytes", p.plain_predicted_peak},
@@ -528,6 +674,8 @@ Plan plan_from_json(const nlohmann::json& j, int blocks) {
   p.checkpoint_pinned = jf::boolean(j, "checkpoint_pinned");
   const auto& predicted = jf::field(j, "predicted");
   p.predicted_peak = jf::integer(predicted, "peak_bytes");
+  // Absent in what earlier versions wrote: nothing was offloaded.
+  if (predicted.contains("host_peak_bytes")) p.predicted_host_peak = jf::integer(predicted, "host_peak_bytes");
   p.predicted_seconds = jf::number(predicted, "seconds");
   const auto& plain = jf::field(j, "plain");
   p.baseline_precision = parse_precision(jf::text(plain, "precision"));

@@ -8,10 +8,12 @@
 namespace memfit {
 namespace {
 
-// One unit: plain block `first` (first == last, checkpointed false) or a checkpointed segment.
+// One unit: plain block `first` (first == last, checkpointed false), a checkpointed segment, or
+// an offloaded block (first == last, offloaded).
 struct Unit {
   int first, last;
   bool checkpointed;
+  bool offloaded = false;
 };
 
 // The chain-independent memory model, shared by evaluate_schedule and the DP so they agree.
@@ -25,7 +27,8 @@ struct Model {
     grads_after.assign(static_cast<size_t>(n) + 1, 0);
     casts_from.assign(static_cast<size_t>(n) + 1, 0);
     for (int k = n - 1; k >= 0; --k) {
-      grads_after[k] = grads_after[k + 1] + (k + 1 < n ? c.blocks[k + 1].param_bytes : 0);
+      const bool carried = k + 1 < n && !c.gradients_streamed;
+      grads_after[k] = grads_after[k + 1] + (carried ? c.blocks[k + 1].param_bytes : 0);
       casts_from[k] = casts_from[k + 1] + c.blocks[k].cast_bytes;
     }
   }
@@ -73,6 +76,7 @@ struct Model {
   // A checkpointed segment's weight casts stay cached until forward ends (counted through
   // backward too: a small overestimate that keeps the model on the safe side).
   int64_t held(const Unit& u) const {
+    if (u.offloaded) return 0;  // on the host until its backward
     if (!u.checkpointed) return internal(u.first) + copy_kept(u, u.first);
     return c.segment_overhead_bytes + casts_from[u.first] - casts_from[u.last + 1];
   }
@@ -125,6 +129,15 @@ struct Model {
     }
     return p;
   }
+  // An offloaded block's activations: on the host from its forward to its backward; and the time
+  // of copying them there and back. (Its peaks are a plain block's: it runs as one, and its
+  // activations are all back on the device before its backward.)
+  int64_t host(const Unit& u) const { return u.offloaded ? internal(u.first) + copy_kept(u, u.first) : 0; }
+  double copy_seconds(const Unit& u) const {
+    if (!u.offloaded || c.copy_bytes_per_second <= 0) return 0;
+    return 2.0 * static_cast<double>(host(u)) / c.copy_bytes_per_second;
+  }
+  double extra_seconds(const Unit& u) const { return recompute_seconds(u) + copy_seconds(u); }
   double recompute_seconds(const Unit& u) const {
     double s = 0;
     if (u.checkpointed) {
@@ -143,16 +156,19 @@ struct Model {
   }
 };
 
-std::vector<Unit> units_of(int n, const std::vector<std::pair<int, int>>& segments) {
+std::vector<Unit> units_of(int n, const std::vector<std::pair<int, int>>& segments, const std::vector<int>& offloaded) {
   std::vector<Unit> units;
+  const auto plain = [&](int k) {
+    units.push_back({k, k, false, std::binary_search(offloaded.begin(), offloaded.end(), k)});
+  };
   int next = 0;
   for (const auto& [first, last] : segments) {
     if (first < next || last < first || last >= n) throw std::invalid_argument("segments must be sorted, disjoint, inside the chain");
-    for (int k = next; k < first; ++k) units.push_back({k, k, false});
+    for (int k = next; k < first; ++k) plain(k);
     units.push_back({first, last, true});
     next = last + 1;
   }
-  for (int k = next; k < n; ++k) units.push_back({k, k, false});
+  for (int k = next; k < n; ++k) plain(k);
   return units;
 }
 
@@ -166,22 +182,26 @@ std::vector<int> Schedule::recomputed_blocks() const {
   return out;
 }
 
-Schedule evaluate_schedule(const ChainCosts& costs, const std::vector<std::pair<int, int>>& segments) {
+Schedule evaluate_schedule(const ChainCosts& costs, const std::vector<std::pair<int, int>>& segments,
+                           const std::vector<int>& offloaded) {
   const Model m(costs);
   const int n = static_cast<int>(costs.blocks.size());
   Schedule s;
   s.segments = segments;
+  s.offloaded = offloaded;
   int64_t held = 0;
   int prev_last = -1;
-  for (const Unit& u : units_of(n, segments)) {
+  for (const Unit& u : units_of(n, segments, offloaded)) {
     held += m.pending(prev_last, u.checkpointed);
     s.peak_bytes = std::max(s.peak_bytes, m.peak(u, held));
     held += m.held(u);
+    s.host_bytes += m.host(u);
     s.recompute_seconds += m.recompute_seconds(u);
+    s.copy_seconds += m.copy_seconds(u);
     prev_last = u.last;
   }
   s.peak_bytes = std::max(s.peak_bytes, m.end_of_forward(held, prev_last));
-  s.seconds = m.base_seconds() + s.recompute_seconds;
+  s.seconds = m.base_seconds() + s.recompute_seconds + s.copy_seconds;
   s.feasible = true;
   return s;
 }
@@ -201,12 +221,12 @@ Schedule solve_schedule(const ChainCosts& costs, int64_t limit, int slots) {
 
   constexpr double kInf = std::numeric_limits<double>::infinity();
   const int width = slots + 1;
-  // best[p][h]: least recompute seconds to have placed blocks < p holding h slots (the last
+  // best[p][h]: least extra seconds (recompute, copies) to have placed blocks < p holding h slots (the last
   // block's output excepted); parent: the unit that got there and the previous h.
   std::vector<std::vector<double>> best(static_cast<size_t>(n) + 1, std::vector<double>(static_cast<size_t>(width), kInf));
   struct Parent {
     int first = -1, last = -1, h = -1;
-    bool checkpointed = false;
+    bool checkpointed = false, offloaded = false;
   };
   std::vector<std::vector<Parent>> parent(static_cast<size_t>(n) + 1, std::vector<Parent>(static_cast<size_t>(width)));
   best[0][0] = 0;
@@ -215,19 +235,19 @@ Schedule solve_schedule(const ChainCosts& costs, int64_t limit, int slots) {
       const double cost = best[p][h];
       if (cost == kInf) continue;
       for (int q = p; q < n; ++q) {
-        for (bool ck : {false, true}) {
-          if (!ck && q != p) continue;
-          if (ck && !m.b(q).recomputable) continue;
-          const Unit u{p, q, ck};
-          const int h_before = h + to_slots(m.pending(p - 1, ck));
+        for (const Unit& u : {Unit{p, q, false}, Unit{p, q, true}, Unit{p, q, false, true}}) {
+          if (!u.checkpointed && q != p) continue;
+          if (u.checkpointed && !m.b(q).recomputable) continue;
+          if (u.offloaded && !costs.activation_offload) continue;
+          const int h_before = h + to_slots(m.pending(p - 1, u.checkpointed));
           if (h_before > slots) continue;
           if (m.peak(u, to_bytes(h_before)) > limit) continue;
           const int h_after = h_before + to_slots(m.held(u));
           if (h_after > slots) continue;
-          const double c = cost + m.recompute_seconds(u);
+          const double c = cost + m.extra_seconds(u);
           if (c < best[q + 1][h_after]) {
             best[q + 1][h_after] = c;
-            parent[q + 1][h_after] = {p, q, h, ck};
+            parent[q + 1][h_after] = {p, q, h, u.checkpointed, u.offloaded};
           }
         }
         if (!m.b(q).recomputable) break;  // no segment from p reaches past it
@@ -244,14 +264,17 @@ Schedule solve_schedule(const ChainCosts& costs, int64_t limit, int slots) {
   Schedule s;
   if (end_h < 0) return s;  // infeasible
   std::vector<std::pair<int, int>> segments;
+  std::vector<int> offloaded;
   for (int p = n, h = end_h; p > 0;) {
     const Parent& par = parent[p][h];
     if (par.checkpointed) segments.emplace_back(par.first, par.last);
+    if (par.offloaded) offloaded.push_back(par.first);
     p = par.first;
     h = par.h;
   }
   std::reverse(segments.begin(), segments.end());
-  s = evaluate_schedule(costs, segments);
+  std::reverse(offloaded.begin(), offloaded.end());
+  s = evaluate_schedule(costs, segments, offloaded);
   s.feasible = s.peak_bytes <= limit;
   return s;
 }

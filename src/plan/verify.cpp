@@ -9,6 +9,7 @@
 #include "memfit/errors.h"
 #include "memfit/measure/budget_allocator.h"
 #include "memfit/measure/size.h"
+#include "memfit/runtime/optimizer_offload.h"
 #include "memfit/runtime/step.h"
 #include "memfit/techniques/cache.h"
 #include "memfit/techniques/grads.h"
@@ -23,11 +24,20 @@ using Clock = std::chrono::steady_clock;
 double run_steps(Workload& w, const Batch& data, const StepConfig& config, MemoryTracker& tracker, int steps,
                  MemoryDevice device, int64_t* peak) {
   auto optimizer = make_optimizer(config.optimizer, w.chain->parameters());
+  StepOptions options{config};
+  std::optional<OptimizerOffload> offload;
+  if (config.offload.optimizer) {
+    offload.emplace(w.chain->parameters());
+    offload->adopt(*optimizer);
+    offload->attach(options);
+  }
   double best = 1e30;
   for (int step = 1; step <= steps; ++step) {
     tracker.reset_peak();
     const auto t0 = Clock::now();
-    train_step(w, *optimizer, data, StepOptions{config});
+    accumulate_gradients(w, data, split_batch(data.size(), config.micro_batch_size()), options);
+    const auto optimizer_part = [&] { optimizer_step(*optimizer, options); };
+    offload ? offload->step(optimizer_part) : optimizer_part();
     const double s = std::chrono::duration<double>(Clock::now() - t0).count();
     if (step < 2) continue;
     best = std::min(best, s);

@@ -9,6 +9,7 @@
 #include "memfit/compat.h"
 #include "memfit/errors.h"
 #include "memfit/measure/memory_tracker.h"
+#include "memfit/techniques/activation_offload.h"
 
 namespace memfit {
 
@@ -236,7 +237,21 @@ at::Tensor Chain::run_through_runner(const at::Tensor& input) {
   return x;
 }
 
-at::Tensor Chain::forward(const at::Tensor& input, const CheckpointPlan& plan) {
+at::Tensor Chain::run_plain(const at::Tensor& input, int first, int last, const std::vector<int>& offloaded) {
+  at::Tensor x = input;
+  for (int k = first; k <= last; ++k) {
+    if (!std::binary_search(offloaded.begin(), offloaded.end(), k)) {
+      x = run_block(k, x);
+      continue;
+    }
+    std::vector<at::Tensor> stay = block_parameters(k, k);
+    for (auto& b : block_buffers(k, k)) stay.push_back(std::move(b));
+    x = run_offloaded([this, k](const at::Tensor& in) { return run_block(k, in); }, x, stay);
+  }
+  return x;
+}
+
+at::Tensor Chain::forward(const at::Tensor& input, const CheckpointPlan& plan, const std::vector<int>& offloaded) {
   if (runner_) return run_through_runner(input);
   at::Tensor x = plan.recomputes(0) ? input : own_input(input);  // (a checkpoint copies its own)
   int next = 0;
@@ -244,14 +259,14 @@ at::Tensor Chain::forward(const at::Tensor& input, const CheckpointPlan& plan) {
     TORCH_CHECK(first >= next && last >= first && last < size(),
                 "memfit::Chain: checkpoint segments must be sorted, disjoint and inside 0..",
                 size() - 1, "; got ", plan.describe());
-    if (first > next) x = run_blocks(x, next, first - 1);
+    if (first > next) x = run_plain(x, next, first - 1, offloaded);
     // The tag is set inside the block function too, so recomputed bytes carry block indices.
     const int f = first, l = last;
     x = checkpoint([this, f, l](const at::Tensor& in) { return run_blocks(in, f, l); }, x,
                    block_parameters(first, last), block_buffers(first, last), may_write_input(first));
     next = last + 1;
   }
-  if (next < size()) x = run_blocks(x, next, size() - 1);
+  if (next < size()) x = run_plain(x, next, size() - 1, offloaded);
   return x;
 }
 

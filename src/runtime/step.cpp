@@ -31,7 +31,7 @@ double forward_backward(Workload& w, const Batch& part, double weight, const Ste
     PhaseGuard phase(Phase::kForward);
     Autocast autocast(device, o.config.precision);  // exits (and frees its cast cache) before backward
     autocast.warm_cast_cache(autocast_cast_parameters(*w.chain));  // so its bytes are reported
-    at::Tensor out = w.chain->forward(part.input, checkpoint);
+    at::Tensor out = w.chain->forward(part.input, checkpoint, recompute_all ? std::vector<int>{} : o.config.offload.activation_blocks);
     loss = w.loss(out, part.target) * weight;
   }
   const double value = loss.item<double>();  // logged by value: no graph outlives the step
@@ -39,6 +39,7 @@ double forward_backward(Workload& w, const Batch& part, double weight, const Ste
     PhaseGuard phase(Phase::kBackward);
     (o.scaler != nullptr ? o.scaler->scale(loss) : loss).backward();
   }
+  if (o.after_backward) o.after_backward();
   return value;
 }
 
@@ -46,12 +47,13 @@ StepResult accumulate_gradients(Workload& w, const Batch& batch, const std::vect
                                 const StepOptions& o) {
   StepResult r;
   const auto params = w.chain->parameters();
+  const auto& holders = o.gradient_holders.empty() ? params : o.gradient_holders;
   std::deque<PendingMicroBatch> pending;
   for (const auto& part : parts) pending.push_back({part, false});
   r.smallest_micro_batch = batch.size();
   while (!pending.empty()) {
     const PendingMicroBatch current = pending.front();
-    const auto versions = grad_versions(params);
+    const auto versions = grad_versions(holders);
     const RngState rng = capture_rng(batch.input.device());
     try {
       r.loss += forward_backward(w, batch.slice(current.part.start, current.part.length), current.part.weight, o,
@@ -63,12 +65,13 @@ StepResult accumulate_gradients(Workload& w, const Batch& batch, const std::vect
       if (o.recovery == nullptr) throw;
       restore_rng(rng);  // the failed attempt's random draws are taken back
       bool partial_sums = false;
-      if (grad_versions(params) != versions) {
+      if (grad_versions(holders) != versions) {
         // The failure came after gradients were accumulated: release them. Those of the
         // failed micro-batch alone are simply redone; sums over earlier ones are lost.
         partial_sums = std::any_of(versions.begin(), versions.end(), [](int64_t v) { return v >= 0; });
-        zero_grad(params, true);
+        zero_grad(holders, true);
       }
+      if (!o.gradient_holders.empty()) zero_grad(params, true);  // what offloading had not yet released
       OomDecision d = o.recovery->on_out_of_memory(current, partial_sums, e);
       pending.pop_front();
       if (d.restart_step) {

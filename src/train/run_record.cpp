@@ -39,6 +39,7 @@ nlohmann::json TrainSummary::json() const {
           {"steps", steps},             {"samples", samples},
           {"final_loss", final_loss},   {"evaluated", evaluated},
           {"eval_loss", eval_loss},     {"peak_bytes", peak_bytes},
+          {"host_peak_bytes", host_peak_bytes},
           {"budget_bytes", budget_bytes}, {"oom_recoveries", oom_recoveries},
           {"skipped_steps", skipped_steps}, {"skipped_updates", skipped_updates},
           {"planning_seconds", planning_seconds}, {"profile_cached", profile_cached},
@@ -99,7 +100,8 @@ void JsonLog::on_plan(const PlanEvent& e) {
 void JsonLog::on_step(const StepEvent& e) {
   nlohmann::json line{{"type", "step"},          {"step", e.step},           {"loss", e.loss},
                       {"samples", e.samples},    {"seconds", e.seconds},     {"live_bytes", e.live_bytes},
-                      {"peak_bytes", e.peak_bytes}, {"oom_recoveries", e.oom_recoveries}};
+                      {"peak_bytes", e.peak_bytes}, {"host_peak_bytes", e.host_peak_bytes},
+                      {"oom_recoveries", e.oom_recoveries}};
   if (e.eval_loss) line["eval_loss"] = *e.eval_loss;
   write(line);
 }

@@ -11,6 +11,7 @@
 #include "memfit/errors.h"
 #include "memfit/measure/breakdown.h"
 #include "memfit/measure/size.h"
+#include "memfit/techniques/activation_offload.h"
 #include "memfit/techniques/grads.h"
 #include "memfit/techniques/optimizer_8bit.h"
 #include "memfit/techniques/rng.h"
@@ -45,6 +46,13 @@ void check_train_options(const TrainOptions& o, const Workload& w) {
   check_strategy_options(o.distributed, o.step, o.pin_precision, o.pin_checkpoint, state, w.chain->size());
   check_option(o.budget_bytes > 0 || (o.step.micro_batch == 0 && !o.pin_checkpoint), "budget", "(none)",
                "a budget is required when the micro-batch or the checkpoint schedule is pinned");
+  check_option(o.offload == OffloadMode::kNone || world == 1, "offload", offload_mode_name(o.offload),
+               "offloading runs in one process (with world_size 1; ZeRO with offload is not built)");
+  check_option(o.offload == OffloadMode::kNone || o.offload == OffloadMode::kOptimizer || activation_offload_available(),
+               "offload", offload_mode_name(o.offload),
+               "activations cannot be offloaded in this process (its autograd engine is Python's: use "
+               "torch.autograd.graph.saved_tensors_hooks there)");
+  check_option(o.host_budget_bytes >= 0, "host_budget", o.host_budget_bytes, "expected a positive size (0: unlimited)");
 }
 
 // --- the parts --------------------------------------------------------------------------------
@@ -85,6 +93,7 @@ StepOptions Trainer::Impl::step_options() const {
   StepOptions so{plan.plan.config};
   so.scaler = recovery.scaler.get();
   so.recovery = recovery.split.get();
+  if (offload) offload->attach(so);
   return so;
 }
 
@@ -216,7 +225,10 @@ void Trainer::Impl::update(bool last) {
     record.own_state = {live.weights, live.gradients, live.optimizer_state};
   };
   try {
-    if (strategy->optimizer_step(*optimizer.optimizer, so)) ++record.summary.skipped_steps;
+    bool skipped = false;
+    const auto step = [&] { skipped = strategy->optimizer_step(*optimizer.optimizer, so); };
+    offload ? offload->step(step) : step();
+    if (skipped) ++record.summary.skipped_steps;
   } catch (const c10::OutOfMemoryError&) {
     throw std::runtime_error("out of memory in the optimizer step: budget " + format_bytes(plan.budget) +
                              " cannot hold weights, gradients and the state of " + optimizer.spec.describe() +
@@ -277,8 +289,10 @@ void Trainer::Impl::record_step(int64_t step, double loss, double seconds) {
   e.seconds = seconds;
   e.live_bytes = memory->tracker->current();
   e.peak_bytes = memory->step_peak();
+  e.host_peak_bytes = memory->tracker->peak(host_memory_device_of(options.step.device));
   e.budget_bytes = plan.budget;
   s.peak_bytes = std::max(s.peak_bytes, e.peak_bytes);
+  s.host_peak_bytes = std::max(s.host_peak_bytes, e.host_peak_bytes);
   s.samples += options.step.batch;
   s.losses.push_back(loss);
   s.final_loss = loss;
@@ -345,7 +359,11 @@ void Trainer::Impl::save(int64_t step) {
   meta.plan = plan_json(t.plan.plan);
   const nlohmann::json meta_json = meta.to_json();
   t.record.last_saved_step = step;
-  t.strategy->save({t.options.save_dir, *t.optimizer.optimizer, t.optimizer.spec, meta_json, t.options.step.device});
+  {
+    std::optional<OptimizerOffload::DeviceKeys> keys;  // saved state names the model's parameters
+    if (t.offload) keys.emplace(*t.offload, *t.optimizer.optimizer);
+    t.strategy->save({t.options.save_dir, *t.optimizer.optimizer, t.optimizer.spec, meta_json, t.options.step.device});
+  }
   SaveEvent e{step, t.options.save_dir, false};
   if (t.strategy->primary() && t.workload.save_model && t.strategy->holds_whole_model()) {
     // The trained model in its own format (TorchScript for a model that came as a file), for

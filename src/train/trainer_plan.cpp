@@ -19,6 +19,7 @@ void Trainer::Impl::make_plan_job() {
   if (options.pin_checkpoint) o.request.checkpoint = options.step.checkpoint;
   o.request.resident_bytes = memory->resident_bytes;
   o.request.outside_bytes = memory->outside.total();
+  request_offload(o.request, options.offload, options.host_budget_bytes);
   o.optimized = strategy->optimized_parameters();
   o.cache = options.profile_cache;
   o.time_micro_batches = strategy->times_micro_batches_alone();
@@ -53,6 +54,13 @@ void Trainer::Impl::choose_plan() {
       plan.plan.notes.push_back("the pinned configuration is predicted to need " + format_bytes(plan.plan.predicted_peak) +
                                 ", over the budget: micro-batches will be split when memory runs out");
     } else if (!plan.plan.feasible) {
+      const int64_t host = planner.smallest_host_bytes();
+      if (options.host_budget_bytes > 0 && host > options.host_budget_bytes && plan.plan.floor_bytes <= plan.budget) {
+        throw std::runtime_error("host budget " + format_bytes(options.host_budget_bytes) + " (" +
+                                 std::to_string(options.host_budget_bytes) +
+                                 " bytes) is below what offloading the optimizer holds there: " + format_bytes(host) +
+                                 " (" + std::to_string(host) + " bytes)");
+      }
       throw std::runtime_error("budget " + format_bytes(plan.budget) + " (" + std::to_string(plan.budget) +
                                " bytes) is below what any plan needs: the smallest budget that works is " +
                                format_bytes(plan.plan.floor_bytes) + " (" + std::to_string(plan.plan.floor_bytes) + " bytes)");
@@ -94,6 +102,10 @@ void Trainer::Impl::prepare_steps() {
   }
   strategy->check_plan(plan.plan);
   strategy->use_config(config);
+  if (config.offload.optimizer) {
+    offload = std::make_unique<OptimizerOffload>(strategy->optimized_parameters());
+    offload->adopt(*optimizer.optimizer);  // its state (a resumed run's) moves to the host
+  }
   if (config.precision == Precision::kFP16) {
     recovery.scaler = std::make_unique<GradScaler>(GradScalerOptions{65536.0, 2.0, 0.5, 2000, true});
   }

@@ -11,9 +11,13 @@
 //   alloc.set_budget(512 << 20);                          // 512 MiB of tensor storage
 //   try { step(); } catch (const c10::OutOfMemoryError& e) { ... }
 //
-// Layout of one allocation: a 64-byte header holding the size, then the data (64-byte
-// aligned, like c10's own allocator). Each allocation and free is reported to the thread's
-// memory reporter (MemoryTracker), as c10's allocator does.
+// Layout of one allocation: a 64-byte header holding the size and the memory space, then the
+// data (64-byte aligned, like c10's own allocator). Each allocation and free is reported to the
+// thread's memory reporter (MemoryTracker), as c10's allocator does.
+//
+// Two pools (memory_space.h): allocations made under a HostSpaceGuard go to the host pool,
+// counted apart (host_allocated, host_peak) and never refused; the budget covers the device
+// pool only.
 #pragma once
 
 #include <c10/core/Allocator.h>
@@ -42,6 +46,10 @@ class BudgetAllocator final : public c10::Allocator {
   int64_t peak() const { return peak_.load(); }
   void reset_peak() { peak_.store(allocated_.load()); }
   int64_t oom_count() const { return ooms_.load(); }
+  // The host pool (offloaded bytes): live and peak.
+  int64_t host_allocated() const { return host_allocated_.load(); }
+  int64_t host_peak() const { return host_peak_.load(); }
+  void reset_host_peak() { host_peak_.store(host_allocated_.load()); }
 
   // Fault injection for tests and demos: the n-th allocation from now (1 = the next one)
   // fails as if over budget. 0 disarms.
@@ -54,6 +62,8 @@ class BudgetAllocator final : public c10::Allocator {
  private:
   BudgetAllocator() = default;
   static void Delete(void* data);
+  c10::DataPtr allocate_host(int64_t n) const;
+  static c10::DataPtr with_header(int64_t n, bool host, int64_t total);
 
   static constexpr size_t kHeader = 64;  // keeps data 64-byte aligned
   mutable std::atomic<int64_t> budget_{kUnlimited};
@@ -61,6 +71,8 @@ class BudgetAllocator final : public c10::Allocator {
   mutable std::atomic<int64_t> peak_{0};
   mutable std::atomic<int64_t> ooms_{0};
   mutable std::atomic<int64_t> fail_countdown_{0};
+  mutable std::atomic<int64_t> host_allocated_{0};
+  mutable std::atomic<int64_t> host_peak_{0};
 };
 
 // Sets the installed allocator's budget for a scope, restoring the previous one after.

@@ -35,13 +35,19 @@ enum class Phase : uint8_t { kOther = 0, kData, kForward, kBackward, kRecompute,
 constexpr int kNumPhases = 7;
 const char* phase_name(Phase phase);
 
-// Devices counted separately: index 0 is CPU, 1 is CUDA.
-enum class MemoryDevice : uint8_t { kCPU = 0, kCUDA = 1 };
-constexpr int kNumMemoryDevices = 2;
+// Devices counted separately: index 0 is CPU, 1 is CUDA, 2 the CPU's host pool (memory_space.h:
+// bytes offloaded from a CPU device, not under its budget).
+enum class MemoryDevice : uint8_t { kCPU = 0, kCUDA = 1, kHost = 2 };
+constexpr int kNumMemoryDevices = 3;
 
 // The counted device a tensor's device is (anything but CUDA counts as the CPU's).
 inline MemoryDevice memory_device_of(const c10::Device& device) {
   return device.is_cuda() ? MemoryDevice::kCUDA : MemoryDevice::kCPU;
+}
+// Where bytes offloaded from `device` are counted: CPU memory (pinned) for CUDA, the host pool
+// for the CPU.
+inline MemoryDevice host_memory_device_of(const c10::Device& device) {
+  return device.is_cuda() ? MemoryDevice::kCPU : MemoryDevice::kHost;
 }
 
 // Tag for allocations made while no block of a chain is running.
@@ -118,6 +124,10 @@ class MemoryTracker : public c10::MemoryReportingInfoBase {
   const std::vector<LiveAllocation>& live_at_start() const { return live_at_start_; }
   // Allocations alive now, in the order they were made.
   std::vector<LiveAllocation> live_allocations() const;
+  // The place of the live allocation at `ptr` in that order (-1: not live here), and the place
+  // the next allocation will take: whether a storage was made after some moment.
+  int64_t allocation_order(const void* ptr) const;
+  int64_t next_allocation_order() const;
 
   // The tracker installed on the calling thread, or nullptr.
   static MemoryTracker* active();

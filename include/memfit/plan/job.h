@@ -44,6 +44,10 @@ constexpr double kExtrapolatedRivalSlack = 0.25;
 // sizes timed. Without a timer the guesses stand.
 Plan plan_timing_as_needed(Planner& planner, int64_t budget_bytes, const ChainTimer& time_chain, int* timed = nullptr);
 
+// What `mode` lets the plan offload, with the host bytes it may use (0: unlimited) and, when
+// anything may be offloaded, the copy bandwidth measured on the request's device.
+void request_offload(PlanRequest& request, OffloadMode mode, int64_t host_budget_bytes);
+
 struct PlanJobOptions {
   std::vector<Precision> precisions;    // the candidates (precision_candidates)
   // The step and what is pinned, the budget, margin, resident bytes; the job fills in the

@@ -62,7 +62,26 @@ struct PlanRequest {
   // preference; at each micro-batch the first that fits is taken. The time model does not see
   // the gathers a depth hides, so deeper is preferred where it costs no compute.
   std::vector<int> prefetch_depths{0};
+  // Where the optimizer may run, in order of preference: on the device (false), offloaded to
+  // the host (true: train/optimizer_offload.h). {false, true}: offload only where it pays.
+  std::vector<bool> optimizer_offload{false};
+  // Blocks' saved activations may go to the host (techniques/activation_offload.h): the schedule
+  // then chooses per block between keeping, recomputing and offloading, by time.
+  bool activation_offload = false;
+  // Host <-> device copies, bytes per second: the time offloading adds (0: not counted). Measured
+  // where copies are real (CUDA); on a CPU-only machine a memcpy's, a model of a real link.
+  double host_copy_bytes_per_second = 0;
+  int64_t host_budget_bytes = 0;  // the host bytes a plan may use (0: unlimited)
 };
+
+// What the planner may move to the host (`offload`): nothing; the optimizer; saved activations;
+// both (all); or each where it pays (auto: only when the device alone does not fit, or faster).
+enum class OffloadMode : uint8_t { kNone, kOptimizer, kActivations, kAll, kAuto };
+// "none", "optimizer", "activations", "all", "auto"; throws OptionError("offload", ...) otherwise.
+OffloadMode parse_offload_mode(const std::string& text);
+const char* offload_mode_name(OffloadMode mode);
+// Sets what `mode` allows into the request (optimizer_offload).
+void allow_offload(PlanRequest& request, OffloadMode mode);
 
 // "auto": fp32, then the mixed precisions autocast runs on `device` (bf16 on CPU; bf16 and
 // fp16 on CUDA). Otherwise the one named, if supported. Throws OptionError("precision", ...).
@@ -75,7 +94,8 @@ struct Plan {
   int64_t floor_bytes = 0;          // the smallest budget any plan reaches (margin included)
   StepConfig config;                // what runs (valid when feasible)
   bool checkpoint_pinned = false;   // the schedule was given, not solved
-  int64_t predicted_peak = 0;
+  int64_t predicted_peak = 0;       // on the device: what the budget counts
+  int64_t predicted_host_peak = 0;  // in the host space (offloaded bytes; 0 when nothing is)
   double predicted_seconds = 0;     // one whole step: every micro-batch's forward + backward, then the optimizer
   Precision baseline_precision = Precision::kFP32;  // the plain step's (the first profiled)
   int64_t plain_predicted_peak = 0; // whole batch, nothing recomputed, baseline precision
@@ -84,7 +104,8 @@ struct Plan {
 };
 
 // The one JSON form of a plan: {"budget_bytes", "margin", "feasible", "floor_bytes", "config" (step_config_json),
-// "checkpoint_pinned", "predicted": {"peak_bytes", "step_time_ratio"}, "plain": {...}, "notes"}.
+// "checkpoint_pinned", "predicted": {"peak_bytes", "host_peak_bytes", "seconds", "step_time_ratio"},
+// "plain": {...}, "notes"}.
 nlohmann::json plan_json(const Plan& plan);
 // Reads it back (saved state, the broadcast to ranks); the config is checked against `blocks`.
 Plan plan_from_json(const nlohmann::json& json, int blocks);
@@ -98,9 +119,12 @@ class Planner {
   // The prediction for one configuration, fitting or not (feasible says whether it fits);
   // state: the optimizer's state precision (unset: request.optimizer's).
   Plan evaluate(int64_t micro_batch, Precision precision, const CheckpointPlan& checkpoint, int64_t budget_bytes = 0,
-                std::optional<StatePrecision> state = std::nullopt, int prefetch_depth = 0) const;
+                std::optional<StatePrecision> state = std::nullopt, int prefetch_depth = 0,
+                const OffloadPlan& offload = {}) const;
   // The smallest budget any plan reaches (margin included): Plan::floor_bytes without planning.
   int64_t floor_bytes() const;
+  // The fewest host bytes a plan offloading the optimizer holds (0: the request allows none).
+  int64_t smallest_host_bytes() const;
   // The modelled costs at micro-batch m (fitted), with the step's fixed bytes; precision: the
   // baseline unless given.
   ChainCosts costs_at(int64_t m) const;
@@ -136,8 +160,19 @@ class Planner {
 
  private:
   const PrecisionProfile& precision_profile(Precision precision) const;
-  const OptimizerCost& optimizer_cost(StatePrecision state) const;
+  const OptimizerCost& optimizer_cost(StatePrecision state, bool on_host = false) const;
+  // The optimizer's state precisions at one placement (the spec's first), or at every one.
+  std::vector<const OptimizerCost*> optimizer_candidates(bool on_host) const;
   std::vector<const OptimizerCost*> optimizer_candidates() const;
+  // Host bytes at their peak (offloaded: the optimizer's masters, gradients, state and step
+  // temporaries; the activations of a micro-batch, `activations`).
+  int64_t host_peak(const OptimizerCost& optimizer, int64_t activations) const;
+  // Seconds the host <-> device copies add to a step at micro-batch m.
+  double offload_seconds(int64_t m, const OptimizerCost& optimizer) const;
+  bool fits_host(const OptimizerCost& optimizer) const;
+  // The best plan with the optimizer at one placement (its state chosen), or not feasible.
+  Plan best_plan_placed(bool on_host, int64_t usable, int64_t budget) const;
+  void explain_placement(Plan& chosen, const std::vector<Plan>& best_placed) const;
   ChainCosts costs_at(int64_t m, const PrecisionProfile& p, const OptimizerCost& optimizer, int prefetch_depth = 0) const;
   double chain_seconds(int64_t m, const PrecisionProfile& p) const;
   const PrecisionProfile& timed_precision() const;  // the first precision whose chain was timed
@@ -160,11 +195,11 @@ class Planner {
   void explain_state_choice(Plan& chosen, const std::vector<Plan>& best_with, int64_t budget) const;
   // Seconds of one whole step: forward + backward of every micro-batch with `segments` recomputed at
   // micro-batch m, then the optimizer's step (measured: 8-bit state costs more than fp32).
-  double step_seconds(int64_t m, const PrecisionProfile& p, const std::vector<std::pair<int, int>>& segments,
-                      const OptimizerCost& optimizer) const;
+  double step_seconds(int64_t m, const PrecisionProfile& p, const Schedule& schedule, const OptimizerCost& optimizer) const;
 
   WorkloadProfile profile_;
   PlanRequest request_;
+  std::vector<OptimizerCost> placed_;  // each state precision at each placement the request allows
 };
 
 

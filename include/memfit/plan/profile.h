@@ -138,6 +138,9 @@ struct OptimizerCost {
   int64_t step_bytes = 0;   // temporaries at the peak of a steady-state step, above the state
   double seconds = 0;       // one steady-state step (0: not measured)
   StatePrecision state = StatePrecision::kFP32;  // fp32 or 8bit, never auto
+  // Where the planner places it (not measured, not in the cache's JSON): on the host, the state,
+  // the step, fp32 masters and the gradients are host bytes (train/optimizer_offload.h).
+  bool on_host = false;
 };
 
 // Three real steps of `spec` over `parameters` (zero gradients), the first making the state,

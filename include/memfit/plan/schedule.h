@@ -1,9 +1,11 @@
 // schedule.h — the optimal checkpointing schedule of a chain under a memory limit, by dynamic
 // programming (after rotor, Beaumont et al., "Optimal checkpointing for heterogeneous chains").
 //
-// A schedule cuts the chain into units: a plain block (all its activations kept for backward)
-// or a checkpointed segment [first, last] (only the segment's input kept; the segment is run
-// again, keeping everything, when backward reaches it). Among all schedules whose modelled peak
+// A schedule cuts the chain into units: a plain block (all its activations kept for backward),
+// a checkpointed segment [first, last] (only the segment's input kept; the segment is run
+// again, keeping everything, when backward reaches it), or, where the costs allow it, an
+// offloaded block (its activations kept on the host, copied there in its forward and back before
+// its backward: the time of two copies instead of a recompute). Among all schedules whose modelled peak
 // fits the limit, the DP finds one with the least recompute time. State: (next block, bytes
 // held by the blocks before it, in slots); transitions: the next unit. Pure arithmetic: the
 // numbers come from profiling (planner.h).
@@ -59,6 +61,8 @@ struct ChainCosts {
   std::vector<BlockCost> blocks;
   int64_t fixed_bytes = 0;          // alive all step: weights, optimizer state, the batch, ...
   bool gradients_present = false;   // all gradients exist from the start (accumulation, keep-grads)
+  bool gradients_streamed = false;  // each block's gradients leave once its backward is done
+                                    // (offloaded to the host): none are carried to later blocks
   int64_t segment_overhead_bytes = 0;  // what each checkpointed segment keeps besides its input (RNG state)
   int64_t loss_bytes = 0;           // alive at the end of forward besides the blocks' (loss, logits' helpers)
   // How a checkpointed segment's backward holds memory. false: memfit's checkpoint (checkpoint.h)
@@ -67,21 +71,31 @@ struct ChainCosts {
   // the Python package's) hands the recomputed tensors to the graph built in forward, so each
   // block's backward holds only the gradient arriving for its output, as a plain block's does.
   bool non_reentrant = false;
+  // Blocks may be offloaded (techniques/activation_offload.h), at this copy bandwidth (bytes per
+  // second, each way; 0: copies cost nothing in the model).
+  bool activation_offload = false;
+  double copy_bytes_per_second = 0;
 };
 
 struct Schedule {
   std::vector<std::pair<int, int>> segments;  // checkpointed segments, sorted
+  std::vector<int> offloaded;        // blocks whose activations go to the host, sorted
   bool feasible = false;
   int64_t peak_bytes = 0;            // modelled
-  double seconds = 0;                // modelled forward + backward + recompute
+  int64_t host_bytes = 0;            // the offloaded activations, all on the host at the end of forward
+  double seconds = 0;                // modelled forward + backward + recompute + copies
   double recompute_seconds = 0;
+  double copy_seconds = 0;
   std::vector<int> recomputed_blocks() const;
 };
 
-// The modelled peak and time of a given schedule (segments sorted and disjoint).
-Schedule evaluate_schedule(const ChainCosts& costs, const std::vector<std::pair<int, int>>& segments);
+// The modelled peak and time of a given schedule (segments sorted and disjoint; offloaded blocks
+// sorted, in no segment).
+Schedule evaluate_schedule(const ChainCosts& costs, const std::vector<std::pair<int, int>>& segments,
+                           const std::vector<int>& offloaded = {});
 
-// The least-recompute schedule whose modelled peak is <= limit_bytes. Memory is discretized
+// The schedule of least extra time (recompute, and copies of offloaded blocks where the costs
+// allow them) whose modelled peak is <= limit_bytes. Memory is discretized
 // into `slots` units of limit_bytes / slots (rounding sizes up, so what it returns fits);
 // slots = 0 picks enough slots to lose under 0.5% of the limit to rounding.
 Schedule solve_schedule(const ChainCosts& costs, int64_t limit_bytes, int slots = 0);

@@ -99,10 +99,12 @@ class Chain : public torch::nn::Module {
   // and running statistics move as in any forward; callers restore what they need.
   void learn_input_writes(const at::Tensor& input);
 
-  // Runs all blocks, checkpointing the plan's segments; each block's allocations are tagged
-  // with its index for the memory tracker. With a block runner set, every block goes through
-  // it instead and the plan is not used (the runner decides what is kept).
-  at::Tensor forward(const at::Tensor& input, const CheckpointPlan& plan = {});
+  // Runs all blocks, checkpointing the plan's segments and offloading the saved activations of
+  // the `offloaded` blocks to the host until their backward (techniques/activation_offload.h;
+  // sorted, none recomputed); each block's allocations are tagged with its index for the memory
+  // tracker. With a block runner set, every block goes through it instead and neither is used
+  // (the runner decides what is kept).
+  at::Tensor forward(const at::Tensor& input, const CheckpointPlan& plan = {}, const std::vector<int>& offloaded = {});
   // Empty: none (the default).
   void set_block_runner(BlockRunner runner) { runner_ = std::move(runner); }
   const BlockRunner& block_runner() const { return runner_; }
@@ -118,6 +120,8 @@ class Chain : public torch::nn::Module {
   enum class InputWrites : int8_t { kUnknown, kNo, kYes };
   at::Tensor run_through_runner(const at::Tensor& input);
   at::Tensor own_input(const at::Tensor& input) const;
+  // Blocks [first, last] as run_blocks runs them, the `offloaded` ones through run_offloaded.
+  at::Tensor run_plain(const at::Tensor& input, int first, int last, const std::vector<int>& offloaded);
 
   std::vector<Block> blocks_;
   std::vector<InputWrites> input_writes_;  // by block, learned as blocks run

@@ -56,6 +56,10 @@ struct StepOptions {
   GradScaler* scaler = nullptr;          // loss scaling (fp16); nullptr = none
   OomRecovery* recovery = nullptr;       // nullptr: an out-of-memory error propagates
   std::function<void()> after_optimizer; // after the optimizer step, before gradients go (measuring)
+  // Where the step's gradient sums are held: the chain's parameters' .grad unless they are
+  // offloaded (train/optimizer_offload.h: the host masters'). An out-of-memory error releases them.
+  std::vector<at::Tensor> gradient_holders;
+  std::function<void()> after_backward;  // after each micro-batch's backward (offload's release)
 };
 
 struct StepResult {

@@ -60,6 +60,7 @@ struct StepEvent {
   double seconds = 0;
   int64_t live_bytes = 0;          // tracked bytes after the step
   int64_t peak_bytes = 0;          // the step's peak, bytes the budget counts outside the tracker included
+  int64_t host_peak_bytes = 0;     // the step's peak in the host space (offloaded bytes)
   int64_t budget_bytes = 0;
   int64_t oom_recoveries = 0;      // in the run so far
   std::optional<double> eval_loss; // held-out loss, when evaluated after this step

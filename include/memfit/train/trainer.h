@@ -50,6 +50,8 @@ struct TrainOptions {
   StepConfig step = default_step();
   bool pin_precision = false;       // run step.precision (else fp32 or a mixed precision the device runs)
   bool pin_checkpoint = false;      // recompute step.checkpoint (else the plan's schedule)
+  OffloadMode offload = OffloadMode::kNone;  // what the plan may move to the host (one process)
+  int64_t host_budget_bytes = 0;    // host bytes the plan may use when offloading (0: unlimited)
   int64_t steps = 30;               // counted from the start of training, resumes included
   int64_t budget_bytes = 0;         // 0: halfway between the smallest plan and the plain step
   std::string save_dir;
@@ -86,6 +88,7 @@ struct TrainSummary {
   bool evaluated = false;           // a held-out evaluation ran
   double eval_loss = 0;             // the last one
   int64_t peak_bytes = 0;           // the highest step peak of this run, bytes outside the tracker included
+  int64_t host_peak_bytes = 0;      // the highest in the host space (offloaded bytes; memory_space.h)
   int64_t budget_bytes = 0;
   int64_t oom_recoveries = 0;
   int64_t skipped_steps = 0;        // optimizer steps the loss scaler skipped (inf/NaN gradients)
