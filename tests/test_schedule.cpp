@@ -1,6 +1,7 @@
 // The checkpointing DP against brute force, and its speed and rounding on a long chain.
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <functional>
 #include <random>
 
@@ -79,6 +80,50 @@ TEST(ScheduleTest, DpEqualsBruteForceOnRandomChains) {
   }
   EXPECT_GT(checked, 100);
   EXPECT_GT(infeasible, 0);  // the limits reach below the floor sometimes
+}
+
+// With offloading allowed: every schedule of plain, checkpointed and offloaded units against the
+// DP, by extra seconds (recompute + copies), free or pinned segments.
+TEST(ScheduleTest, DpWithOffloadEqualsBruteForce) {
+  std::mt19937 rng(4321);
+  int checked = 0, offloading = 0;
+  for (int trial = 0; trial < 200; ++trial) {
+    const int n = 1 + trial % 7;
+    ChainCosts c = random_chain(rng, n);
+    c.activation_offload = true;
+    c.copy_bytes_per_second = std::uniform_real_distribution<double>(2.0, 60.0)(rng);  // bytes/s, to rival recompute
+    const int64_t plain = evaluate_schedule(c, {}).peak_bytes;
+    const int64_t limit = std::uniform_int_distribution<int64_t>(plain / 3, plain)(rng);
+    double best = 1e30;
+    std::vector<std::pair<int, int>> current;
+    all_schedules(n, 0, current, [&](const auto& segments) {
+      std::vector<int> free;  // blocks in no segment: each kept or offloaded
+      for (int k = 0; k < n; ++k) {
+        if (std::none_of(segments.begin(), segments.end(), [k](auto s) { return s.first <= k && k <= s.second; })) free.push_back(k);
+      }
+      for (uint32_t mask = 0; mask < (1u << free.size()); ++mask) {
+        std::vector<int> offloaded;
+        for (size_t i = 0; i < free.size(); ++i) {
+          if (mask & (1u << i)) offloaded.push_back(free[i]);
+        }
+        const Schedule s = evaluate_schedule(c, segments, offloaded);
+        if (s.peak_bytes <= limit) best = std::min(best, s.recompute_seconds + s.copy_seconds);
+      }
+    });
+    const Schedule dp = solve_schedule(c, limit, static_cast<int>(limit));
+    if (best == 1e30) {
+      EXPECT_FALSE(dp.feasible) << "trial " << trial;
+      continue;
+    }
+    ASSERT_TRUE(dp.feasible) << "trial " << trial << ": brute force found " << best;
+    EXPECT_NEAR(dp.recompute_seconds + dp.copy_seconds, best, 1e-9) << "trial " << trial;
+    EXPECT_LE(dp.peak_bytes, limit);
+    EXPECT_EQ(dp.host_bytes > 0, !dp.offloaded.empty());
+    offloading += !dp.offloaded.empty();
+    ++checked;
+  }
+  EXPECT_GT(checked, 80);
+  EXPECT_GT(offloading, 20);  // offloading wins often enough to be tested
 }
 
 // Blocks that cannot be recomputed (a Python model's code before its first block and after its

@@ -426,13 +426,26 @@ int64_t Planner::floor_bytes() const {
     if (any_fits_host && !fits_host(*optimizer)) continue;  // (none fits: the host budget is what fails)
     for (const auto& pp : profile_.precisions) {
       const ChainCosts c = costs_at(m, pp, *optimizer, depth);
-      const int64_t s = request_.checkpoint ? evaluate_schedule(c, request_.checkpoint->segments).peak_bytes : smallest_peak(c);
+      const int64_t s = request_.checkpoint ? pinned_smallest_peak(c, request_.checkpoint->segments) : smallest_peak(c);
       smallest = std::min(smallest, std::max(s, optimizer_peak(*optimizer)));
     }
   }
   return static_cast<int64_t>(std::ceil(static_cast<double>(smallest) * request_.reserved_per_allocated /
                                         (1.0 - request_.margin))) +
          request_.outside_bytes;
+}
+
+int64_t Planner::pinned_smallest_peak(const ChainCosts& c, const std::vector<std::pair<int, int>>& segments) const {
+  // Offloading a block only takes its activations off the device: every block not recomputed
+  // offloaded is the least a pinned schedule holds.
+  std::vector<int> offloaded;
+  if (c.activation_offload) {
+    for (int k = 0; k < static_cast<int>(c.blocks.size()); ++k) {
+      const bool recomputed = std::any_of(segments.begin(), segments.end(), [k](auto s) { return s.first <= k && k <= s.second; });
+      if (!recomputed) offloaded.push_back(k);
+    }
+  }
+  return evaluate_schedule(c, segments, offloaded).peak_bytes;
 }
 
 int64_t Planner::usable_bytes(int64_t budget) const {
@@ -470,7 +483,10 @@ Plan Planner::best_plan_at(int64_t m, const PrecisionProfile& pp, const Optimize
   Plan p = unfitted_plan(pp.precision, optimizer.state);
   if (optimizer_peak(optimizer) > usable || !fits_host(optimizer)) return p;
   const ChainCosts costs = costs_at(m, pp, optimizer, prefetch_depth);
-  const Schedule s = request_.checkpoint ? evaluate_schedule(costs, request_.checkpoint->segments) : solve_schedule(costs, usable);
+  // A pinned schedule still leaves which other blocks are offloaded to choose, where allowed.
+  const Schedule s = !request_.checkpoint ? solve_schedule(costs, usable)
+                     : costs.activation_offload ? solve_schedule(costs, usable, 0, &request_.checkpoint->segments)
+                                                : evaluate_schedule(costs, request_.checkpoint->segments);
   if (!s.feasible || s.peak_bytes > usable) return p;
   if (request_.host_budget_bytes > 0 && host_peak(optimizer, s.host_bytes) > request_.host_budget_bytes) return p;
   p.feasible = true;

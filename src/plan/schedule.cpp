@@ -206,9 +206,24 @@ Schedule evaluate_schedule(const ChainCosts& costs, const std::vector<std::pair<
   return s;
 }
 
-Schedule solve_schedule(const ChainCosts& costs, int64_t limit, int slots) {
+Schedule solve_schedule(const ChainCosts& costs, int64_t limit, int slots, const std::vector<std::pair<int, int>>* pinned) {
   const Model m(costs);
   const int n = static_cast<int>(costs.blocks.size());
+  // With pinned segments, a unit is one of them where it starts, else one block, kept or offloaded.
+  std::vector<int> pinned_end(static_cast<size_t>(n), -1);  // by first block: the segment's last
+  std::vector<bool> in_pinned(static_cast<size_t>(n), false);
+  if (pinned != nullptr) {
+    for (const auto& [first, last] : *pinned) {
+      if (first < 0 || last < first || last >= n) throw std::invalid_argument("pinned segments must lie inside the chain");
+      pinned_end[static_cast<size_t>(first)] = last;
+      for (int k = first; k <= last; ++k) in_pinned[static_cast<size_t>(k)] = true;
+    }
+  }
+  const auto allowed = [&](const Unit& u) {
+    if (pinned == nullptr) return u.checkpointed ? m.b(u.last).recomputable : u.first == u.last;
+    if (u.checkpointed) return pinned_end[static_cast<size_t>(u.first)] == u.last;
+    return u.first == u.last && !in_pinned[static_cast<size_t>(u.first)];
+  };
   if (slots <= 0) slots = std::max(200 * n, 1000);
   const double slot = std::max(1.0, static_cast<double>(limit) / slots);
   // Sizes round up to whole slots; anything beyond the limit maps to slots + 1 (never fits).
@@ -236,9 +251,7 @@ Schedule solve_schedule(const ChainCosts& costs, int64_t limit, int slots) {
       if (cost == kInf) continue;
       for (int q = p; q < n; ++q) {
         for (const Unit& u : {Unit{p, q, false}, Unit{p, q, true}, Unit{p, q, false, true}}) {
-          if (!u.checkpointed && q != p) continue;
-          if (u.checkpointed && !m.b(q).recomputable) continue;
-          if (u.offloaded && !costs.activation_offload) continue;
+          if (!allowed(u) || (u.offloaded && !costs.activation_offload)) continue;
           const int h_before = h + to_slots(m.pending(p - 1, u.checkpointed));
           if (h_before > slots) continue;
           if (m.peak(u, to_bytes(h_before)) > limit) continue;

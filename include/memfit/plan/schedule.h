@@ -98,7 +98,9 @@ Schedule evaluate_schedule(const ChainCosts& costs, const std::vector<std::pair<
 // allow them) whose modelled peak is <= limit_bytes. Memory is discretized
 // into `slots` units of limit_bytes / slots (rounding sizes up, so what it returns fits);
 // slots = 0 picks enough slots to lose under 0.5% of the limit to rounding.
-Schedule solve_schedule(const ChainCosts& costs, int64_t limit_bytes, int slots = 0);
+// `pinned`: the checkpointed segments are these; only which other blocks are offloaded is chosen.
+Schedule solve_schedule(const ChainCosts& costs, int64_t limit_bytes, int slots = 0,
+                        const std::vector<std::pair<int, int>>* pinned = nullptr);
 
 // The smallest peak any schedule reaches (every block its own segment is not always it).
 int64_t smallest_peak(const ChainCosts& costs);
