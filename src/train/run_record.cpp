@@ -118,6 +118,24 @@ void JsonLog::on_summary(const TrainSummary& s) {
 
 // --- the HTML report --------------------------------------------------------------------------
 
+namespace {
+
+// What went to the host: the plan's and the run's host peaks, and the last step's host bytes by
+// category at their peak (fp32 masters are weights there).
+void add_host_rows(ReportDocument& d, const Plan& p, const RunRecord& record) {
+  d.plan_rows.push_back({"offloaded to the host", p.config.offload.describe()});
+  d.plan_rows.push_back({"host peak: predicted / measured (run)",
+                         format_bytes(p.predicted_host_peak) + " / " + format_bytes(record.summary.host_peak_bytes)});
+  if (!record.last_host_step) return;
+  const Categories& c = record.last_host_step->at_peak;
+  d.plan_rows.push_back({"host at its peak (last step, " + std::string(phase_name(record.last_host_step->peak_phase)) + ")",
+                         "weights (fp32 masters) " + format_bytes(c.weights) + ", gradients " + format_bytes(c.gradients) +
+                             ", optimizer state " + format_bytes(c.optimizer_state) + ", activations " +
+                             format_bytes(c.activations) + ", other " + format_bytes(c.other)});
+}
+
+}  // namespace
+
 ReportDocument Trainer::Impl::report_document() const {
   ReportDocument d;
   d.title = std::string("memfit train") + (record.last_step ? "" : " (stopped early)") + ": " + workload.description;
@@ -136,6 +154,7 @@ ReportDocument Trainer::Impl::report_document() const {
                  {"predicted peak", format_bytes(p.predicted_peak)},
                  {"measured peak (run)", format_bytes(record.summary.peak_bytes)},
                  {"plain step, predicted", format_bytes(p.plain_predicted_peak)}};
+  if (c.offload.any()) add_host_rows(d, p, record);
   d.plan_config = c;
   d.ranks = record.summary.ranks;
   d.zero_stage = options.distributed.zero_stage;

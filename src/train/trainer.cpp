@@ -215,7 +215,7 @@ StepResult Trainer::Impl::accumulate(int64_t step, const Batch& batch) {
 
 void Trainer::Impl::update(bool last) {
   StepOptions so = step_options();
-  KnownStorage known;
+  KnownStorage known, known_host;
   MemoryTracker& tracker = *memory->tracker;
   so.after_optimizer = [&] {  // this rank's state bytes, while gradients and optimizer state are all present
     if (tracker.recording()) tracker.stop_recording();
@@ -223,6 +223,7 @@ void Trainer::Impl::update(bool last) {
                           workload.chain->buffers());
     const Categories live = classify_live(tracker, known);
     record.own_state = {live.weights, live.gradients, live.optimizer_state};
+    if (offload) known_host = known_storage(offload->host_parameters(), optimizer_state_tensors(*optimizer.optimizer));
   };
   try {
     bool skipped = false;
@@ -234,7 +235,13 @@ void Trainer::Impl::update(bool last) {
                              " cannot hold weights, gradients and the state of " + optimizer.spec.describe() +
                              " plus its temporaries");
   }
-  if (last && !options.report_html.empty()) record.last_step = analyze_step(tracker, known, workload.chain->size());
+  if (last && !options.report_html.empty()) {
+    record.last_step = analyze_step(tracker, known, workload.chain->size());
+    if (plan.plan.config.offload.any()) {
+      const MemoryDevice host = host_memory_device_of(options.step.device);
+      record.last_host_step = analyze_step(tracker, known_host, workload.chain->size(), host);
+    }
+  }
 }
 
 // A real out-of-memory error is likely to repeat: the following steps use what worked.

@@ -99,6 +99,7 @@ struct RunRecord {
   LeakDetector leaks;
   RankStateBytes own_state;                   // this rank's, measured at the last optimizer step
   std::optional<StepAnalysis> last_step;      // analysed for the HTML report
+  std::optional<StepAnalysis> last_host_step; // the same in the host space, when offloading
   int64_t start_step = 0;                     // a resumed run continues after it
   int64_t last_saved_step = -1;
   bool model_file_note = false;               // "no model file" said once
