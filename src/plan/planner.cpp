@@ -271,7 +271,9 @@ ChainCosts Planner::costs_at(int64_t m, const PrecisionProfile& p, const Optimiz
   c.gradients_present = !optimizer.on_host && (m < profile_.batch || !request_.step.set_to_none);
   c.segment_overhead_bytes = profile_.segment_overhead_bytes;
   c.non_reentrant = profile_.non_reentrant_checkpoint;
-  c.activation_offload = request_.activation_offload && request_.gathered_blocks.empty();
+  // Not under autocast yet: there a block's graph keeps weight copies made before it runs (the
+  // cast cache), which stay on the device, and the model does not count them apart.
+  c.activation_offload = request_.activation_offload && request_.gathered_blocks.empty() && p.precision == Precision::kFP32;
   c.copy_bytes_per_second = request_.host_copy_bytes_per_second;
   if (!request_.gathered_blocks.empty()) add_gathered_blocks(c, prefetch_depth);
   return c;
