@@ -7,7 +7,9 @@
 // ZeRO 3 at any world size and prefetch depth (its gradients are summed in rank order, as one
 // process accumulates the ranks' micro-batches). ZeRO 0-2 over more ranks sum in Gloo's order: equal to float
 // tolerance.
+#include <algorithm>
 #include <filesystem>
+#include <optional>
 
 #include "distributed_util.h"
 
@@ -22,6 +24,7 @@ struct StrategyCase {
   int zero_stage;
   bool bit_exact;
   int prefetch_depth = 0;  // ZeRO 3: blocks gathered ahead (and gradients reduced in flight from 1)
+  bool offload = false;    // the optimizer on the host (runtime/optimizer_offload.h)
 };
 
 std::ostream& operator<<(std::ostream& out, const StrategyCase& c) { return out << c.name; }
@@ -43,6 +46,7 @@ void train_steps(Strategy& strategy, Chain& chain, torch::optim::Optimizer& opti
     const Batch batch = test::chain_batch(step);
     const BatchSlice mine = strategy.local_slice(batch.size());
     test::chain_micro_batch(chain, batch.slice(mine.start, mine.length), batch.size());
+    if (OptimizerOffload* offload = strategy.optimizer_offload()) offload->release_device_gradients();
     strategy.reduce_gradients();
     strategy.optimizer_step(optimizer, StepOptions{});
   }
@@ -86,8 +90,17 @@ RankRun run_rank(const StrategyCase& c, int rank, const std::vector<std::string>
     auto strategy = make_strategy(o, *chain);
     strategy->use_config(config_of(c));
     auto optimizer = make_optimizer(spec(), strategy->optimized_parameters());
+    if (c.offload) {
+      strategy->offload_optimizer(*optimizer);
+      const auto& masters = strategy->optimizer_offload()->host_parameters();
+      for (const auto& p : optimizer->param_groups().at(0).params()) {  // it steps host masters only
+        EXPECT_TRUE(std::any_of(masters.begin(), masters.end(), [&](const at::Tensor& m) { return m.is_same(p); }));
+      }
+    }
     train_steps(*strategy, *chain, *optimizer, 0, kSteps);
     out.sha_before_save = strategy->weights_sha256("");
+    std::optional<OptimizerOffload::DeviceKeys> keys;  // saved state names the model's parameters
+    if (c.offload) keys.emplace(*strategy->optimizer_offload(), *optimizer);
     strategy->save({(dir / "saved").string(), *optimizer, spec(), meta(kSteps), c10::kCPU});
   }
   auto resumed_chain = test::small_chain();
@@ -98,6 +111,7 @@ RankRun run_rank(const StrategyCase& c, int rank, const std::vector<std::string>
   auto optimizer = make_optimizer(spec(), strategy->optimized_parameters());
   SavedState saved = SavedState::open(resume_from);
   strategy->resume(saved, *optimizer, spec(), c10::kCPU);
+  if (c.offload) strategy->offload_optimizer(*optimizer);  // the resumed state moves to the host
   train_steps(*strategy, *resumed_chain, *optimizer, kSteps, 2 * kSteps);
   out.weights_after_resume = weights_of(*strategy, dir / ("weights-" + std::to_string(rank)));
   out.sha_after_resume = strategy->weights_sha256("");
@@ -208,7 +222,11 @@ INSTANTIATE_TEST_SUITE_P(Strategies, StrategyTest,
                                            StrategyCase{"ZeroShardedTwoRanks", 2, 3, true},
                                            StrategyCase{"ZeroShardedFourRanks", 4, 3, true},
                                            StrategyCase{"ZeroShardedTwoRanksPrefetch1", 2, 3, true, 1},
-                                           StrategyCase{"ZeroShardedFourRanksPrefetch2", 4, 3, true, 2}),
+                                           StrategyCase{"ZeroShardedFourRanksPrefetch2", 4, 3, true, 2},
+                                           StrategyCase{"SingleProcessOffload", 1, 0, true, 0, true},
+                                           StrategyCase{"ZeroReplicatedStage0TwoRanksOffload", 2, 0, true, 0, true},
+                                           StrategyCase{"ZeroReplicatedStage1TwoRanksOffload", 2, 1, true, 0, true},
+                                           StrategyCase{"ZeroReplicatedStage2TwoRanksOffload", 2, 2, true, 0, true}),
                          [](const ::testing::TestParamInfo<StrategyCase>& info) { return std::string(info.param.name); });
 
 }  // namespace

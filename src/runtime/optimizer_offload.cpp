@@ -49,6 +49,7 @@ OptimizerOffload::~OptimizerOffload() {
 
 void OptimizerOffload::stream(size_t index, const at::Tensor& grad) {
   release_device_gradients();  // the ones autograd stored since the last hook
+  if (!grad.defined()) return;  // (LibTorch 2.x calls the hook for a gradient that is not there too)
   at::NoGradGuard no_grad;
   at::Tensor& sum = host_[index].mutable_grad();
   if (!sum.defined()) {

@@ -5,6 +5,7 @@
 #include <torch/torch.h>
 
 #include "memfit/errors.h"
+#include "memfit/measure/memory_space.h"
 #include "memfit/train/single_process.h"
 #include "memfit/train/zero_replicated.h"
 #include "memfit/train/zero_sharded.h"
@@ -15,7 +16,26 @@ Strategy::Strategy(std::unique_ptr<ProcessGroup> group, Chain& chain) : chain_(c
 Strategy::~Strategy() = default;
 
 bool Strategy::optimizer_step(torch::optim::Optimizer& optimizer, const StepOptions& options) {
-  return memfit::optimizer_step(optimizer, options);
+  if (!offload_) return memfit::optimizer_step(optimizer, options);
+  bool skipped = false;
+  offload_->step([&] { skipped = memfit::optimizer_step(optimizer, options); });
+  return skipped;
+}
+
+void Strategy::offload_optimizer(torch::optim::Optimizer& optimizer) {
+  check_option(can_offload_optimizer(), "offload", "optimizer", "ZeRO 3 shards the optimizer's state across ranks instead");
+  if (!offload_) offload_ = std::make_unique<OptimizerOffload>(chain_.parameters());
+  offload_->adopt(optimizer);
+}
+
+at::Tensor Strategy::zero_gradient(size_t index, const at::Tensor& parameter) const {
+  if (!offload_) return at::zeros_like(parameter);
+  HostSpaceGuard host;
+  return at::zeros_like(offload_->host_parameters().at(index));
+}
+
+at::Tensor& Strategy::gradient_of(size_t index, const at::Tensor& parameter) {
+  return offload_ ? offload_->host_parameters().at(index).mutable_grad() : parameter.mutable_grad();
 }
 
 std::unique_ptr<Strategy> make_strategy(const DistributedOptions& options, Chain& chain) {

@@ -46,8 +46,10 @@ void check_train_options(const TrainOptions& o, const Workload& w) {
   check_strategy_options(o.distributed, o.step, o.pin_precision, o.pin_checkpoint, state, w.chain->size());
   check_option(o.budget_bytes > 0 || (o.step.micro_batch == 0 && !o.pin_checkpoint), "budget", "(none)",
                "a budget is required when the micro-batch or the checkpoint schedule is pinned");
-  check_option(o.offload == OffloadMode::kNone || world == 1, "offload", offload_mode_name(o.offload),
-               "offloading runs in one process (with world_size 1; ZeRO with offload is not built)");
+  check_option(o.offload == OffloadMode::kNone || o.distributed.zero_stage < 3 || world == 1, "offload",
+               offload_mode_name(o.offload), "ZeRO 3 shards the optimizer's state instead: offload runs at stages 0-2");
+  check_option(o.offload == OffloadMode::kNone || world == 1 || !o.step.device.is_cuda(), "offload",
+               offload_mode_name(o.offload), "several ranks on CUDA reduce gradients with NCCL, which cannot reach host memory");
   check_option(o.offload == OffloadMode::kNone || o.offload == OffloadMode::kOptimizer || activation_offload_available(),
                "offload", offload_mode_name(o.offload),
                "activations cannot be offloaded in this process (its autograd engine is Python's: use "
@@ -93,7 +95,7 @@ StepOptions Trainer::Impl::step_options() const {
   StepOptions so{plan.plan.config};
   so.scaler = recovery.scaler.get();
   so.recovery = recovery.split.get();
-  if (offload) offload->attach(so);
+  if (OptimizerOffload* offload = strategy->optimizer_offload()) offload->attach(so);
   return so;
 }
 
@@ -223,13 +225,12 @@ void Trainer::Impl::update(bool last) {
                           workload.chain->buffers());
     const Categories live = classify_live(tracker, known);
     record.own_state = {live.weights, live.gradients, live.optimizer_state};
-    if (offload) known_host = known_storage(offload->host_parameters(), optimizer_state_tensors(*optimizer.optimizer));
+    if (OptimizerOffload* offload = strategy->optimizer_offload()) {
+      known_host = known_storage(offload->host_parameters(), optimizer_state_tensors(*optimizer.optimizer));
+    }
   };
   try {
-    bool skipped = false;
-    const auto step = [&] { skipped = strategy->optimizer_step(*optimizer.optimizer, so); };
-    offload ? offload->step(step) : step();
-    if (skipped) ++record.summary.skipped_steps;
+    if (strategy->optimizer_step(*optimizer.optimizer, so)) ++record.summary.skipped_steps;
   } catch (const c10::OutOfMemoryError&) {
     throw std::runtime_error("out of memory in the optimizer step: budget " + format_bytes(plan.budget) +
                              " cannot hold weights, gradients and the state of " + optimizer.spec.describe() +
@@ -368,7 +369,7 @@ void Trainer::Impl::save(int64_t step) {
   t.record.last_saved_step = step;
   {
     std::optional<OptimizerOffload::DeviceKeys> keys;  // saved state names the model's parameters
-    if (t.offload) keys.emplace(*t.offload, *t.optimizer.optimizer);
+    if (OptimizerOffload* offload = t.strategy->optimizer_offload()) keys.emplace(*offload, *t.optimizer.optimizer);
     t.strategy->save({t.options.save_dir, *t.optimizer.optimizer, t.optimizer.spec, meta_json, t.options.step.device});
   }
   SaveEvent e{step, t.options.save_dir, false};

@@ -3,7 +3,6 @@
 //   TrainingMemory   the budget allocator, this thread's tracker, the budget once enforced
 //   Strategy         how parameters, gradients and optimizer state are held (strategy.h)
 //   TrainOptimizer   the optimizer and the spec it was built from (state precision resolved)
-//   OptimizerOffload the optimizer on the host, when the plan offloads it (optimizer_offload.h)
 //   TrainPlan        the plan job, the budget and the plan that runs (trainer_plan.cpp)
 //   StepRecovery     the loss scaler and out-of-memory recovery of each step
 //   RunRecord        what the run has done: summary, steps chart, leak watch (run_record.cpp)
@@ -25,7 +24,6 @@
 #include "memfit/techniques/metrics.h"
 #include "memfit/techniques/rng.h"
 #include "memfit/train/oom_recovery.h"
-#include "memfit/runtime/optimizer_offload.h"
 #include "memfit/train/saved_state.h"
 #include "memfit/train/strategy.h"
 #include "memfit/train/trainer.h"
@@ -151,7 +149,6 @@ struct Trainer::Impl {
   std::unique_ptr<Strategy> strategy;
   BatchSlice local;                  // this rank's samples of each batch
   TrainOptimizer optimizer;
-  std::unique_ptr<OptimizerOffload> offload;  // the plan offloads the optimizer to the host
   TrainPlan plan;
   StepRecovery recovery;
   RunRecord record;

@@ -88,7 +88,7 @@ void Trainer::Impl::adopt_rank0_plan() {
   const int64_t m = std::min(theirs.config.micro_batch_size(), local.length);
   std::vector<std::string> notes = plan.plan.notes;
   plan.plan = plan.job->planner().evaluate(m, theirs.config.precision, theirs.config.checkpoint, plan.budget,
-                                           theirs.config.optimizer.state, theirs.config.prefetch_depth);
+                                           theirs.config.optimizer.state, theirs.config.prefetch_depth, theirs.config.offload);
   plan.plan.notes = notes;
   plan.plan.notes.push_back("using rank 0's plan (this rank's own choice differed)");
 }
@@ -102,10 +102,7 @@ void Trainer::Impl::prepare_steps() {
   }
   strategy->check_plan(plan.plan);
   strategy->use_config(config);
-  if (config.offload.optimizer) {
-    offload = std::make_unique<OptimizerOffload>(strategy->optimized_parameters());
-    offload->adopt(*optimizer.optimizer);  // its state (a resumed run's) moves to the host
-  }
+  if (config.offload.optimizer) strategy->offload_optimizer(*optimizer.optimizer);  // a resumed run's state moves too
   if (config.precision == Precision::kFP16) {
     recovery.scaler = std::make_unique<GradScaler>(GradScalerOptions{65536.0, 2.0, 0.5, 2000, true});
   }

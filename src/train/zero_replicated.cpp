@@ -60,8 +60,8 @@ void ZeroReplicated::reduce_gradients() {
   at::NoGradGuard no_grad;
   PendingCollectives pending(group(), stage_ == 2 ? "reducing gradients to their owners" : "all-reducing gradients");
   for (size_t i = 0; i < parameters_.size(); ++i) {
-    at::Tensor& grad = parameters_[i].mutable_grad();
-    if (!grad.defined()) grad = at::zeros_like(parameters_[i]);  // every rank must take part
+    at::Tensor& grad = gradient_of(i, parameters_[i]);
+    if (!grad.defined()) grad = zero_gradient(i, parameters_[i]);  // every rank must take part
     if (stage_ == 2) {
       pending.reduce_sum(grad, owner(i));
     } else {
@@ -71,7 +71,7 @@ void ZeroReplicated::reduce_gradients() {
   pending.wait();
   if (stage_ != 2) return;
   for (size_t i = 0; i < parameters_.size(); ++i) {
-    if (!owns(i)) parameters_[i].mutable_grad().reset();  // only the owner needs the sum
+    if (!owns(i)) gradient_of(i, parameters_[i]).reset();  // only the owner needs the sum
   }
 }
 
@@ -86,7 +86,7 @@ void ZeroReplicated::finish_step(bool set_to_none) {
   at::NoGradGuard no_grad;
   if (stage_ == 1) {
     for (size_t i = 0; i < parameters_.size(); ++i) {
-      at::Tensor& grad = parameters_[i].mutable_grad();
+      at::Tensor& grad = gradient_of(i, parameters_[i]);
       if (owns(i) || !grad.defined()) continue;
       if (set_to_none) {
         grad.reset();

@@ -41,7 +41,7 @@ check "train --dist-timeout 1e30 --world-size 2 --steps 1" "--dist-timeout"
 check "train --offload cpu --steps 1" "--offload cpu"
 check "plan --budget 1GiB --offload gpu" "--offload gpu"
 check "train --host-budget 2gigs --offload optimizer --steps 1" "--host-budget"
-check "train --offload optimizer --world-size 2 --master 127.0.0.1:1 --steps 1" "--offload optimizer"
+check "train --offload optimizer --world-size 2 --zero 3 --master 127.0.0.1:1 --steps 1" "--offload optimizer"
 check "train --optimizer lamb" "--optimizer 'lamb'"
 # Integers are decimal: CLI11 alone would read 010 as octal 8 and 0x10 as 16.
 check "report --batch 010" "'010': expected a decimal integer"

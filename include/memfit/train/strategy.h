@@ -34,6 +34,7 @@
 #include "memfit/plan/planner.h"
 #include "memfit/runtime/chain.h"
 #include "memfit/runtime/optimizer.h"
+#include "memfit/runtime/optimizer_offload.h"
 #include "memfit/runtime/step.h"
 #include "memfit/train/process_group.h"
 
@@ -100,6 +101,12 @@ class Strategy {
   virtual void check_plan(const Plan& plan) const {}
   // Takes what it needs of the configuration every rank runs (ZeRO 3: the prefetch depth).
   virtual void use_config(const StepConfig& config) {}
+  // With the optimizer offloaded (runtime/optimizer_offload.h): every parameter gets a host
+  // master, its gradients go there, `optimizer` (built over optimized_parameters()) steps the
+  // masters on the host, and the weights are copied back before anything the strategy does after
+  // the step. Throws OptionError where the strategy cannot (ZeRO 3).
+  void offload_optimizer(torch::optim::Optimizer& optimizer);
+  OptimizerOffload* optimizer_offload() { return offload_.get(); }
   // While alive, the chain runs as a single process runs it (every weight present): what
   // profiling measures. Collective where weights are sharded: every rank enters it together.
   class WholeModelScope {
@@ -111,8 +118,8 @@ class Strategy {
   // --- the step ----------------------------------------------------------------------------
   // After the last micro-batch's backward: this rank's gradients summed as the strategy holds them.
   virtual void reduce_gradients() {}
-  // The optimizer step (options.scaler-aware), and what the strategy does after it. Returns
-  // whether the loss scaler skipped it.
+  // The optimizer step (options.scaler-aware; on the host when offloaded, the weights copied
+  // back after), and what the strategy does after it. Returns whether the loss scaler skipped it.
   virtual bool optimizer_step(torch::optim::Optimizer& optimizer, const StepOptions& options);
 
   // --- state -------------------------------------------------------------------------------
@@ -129,7 +136,13 @@ class Strategy {
 
  protected:
   Strategy(std::unique_ptr<ProcessGroup> group, Chain& chain);
+  virtual bool can_offload_optimizer() const { return true; }
+  // The gradient sum of the `index`-th of the chain's parameters, where this process holds it: the
+  // parameter's .grad, or its host master's with the optimizer offloaded.
+  at::Tensor& gradient_of(size_t index, const at::Tensor& parameter);
+  at::Tensor zero_gradient(size_t index, const at::Tensor& parameter) const;  // where gradient_of keeps it
   Chain& chain_;
+  std::unique_ptr<OptimizerOffload> offload_;
 
  private:
   std::unique_ptr<ProcessGroup> group_;

@@ -67,6 +67,7 @@ class ZeroSharded : public Strategy {
   bool holds_whole_model() const override { return false; }
   // Takes the plan's prefetch depth (every rank runs rank 0's plan: the same gathers).
   void use_config(const StepConfig& config) override { prefetch_depth_ = config.prefetch_depth; }
+  bool can_offload_optimizer() const override { return false; }
   // Lets gathers started for this step's passes go first: the shards change.
   bool optimizer_step(torch::optim::Optimizer& optimizer, const StepOptions& options) override;
   void reduce_gradients() override { finish_reduction(); }
