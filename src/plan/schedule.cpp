@@ -76,7 +76,7 @@ struct Model {
   // A checkpointed segment's weight casts stay cached until forward ends (counted through
   // backward too: a small overestimate that keeps the model on the safe side).
   int64_t held(const Unit& u) const {
-    if (u.offloaded) return 0;  // on the host until its backward
+    if (u.offloaded) return stays(u);  // the rest is on the host until its backward
     if (!u.checkpointed) return internal(u.first) + copy_kept(u, u.first);
     return c.segment_overhead_bytes + casts_from[u.first] - casts_from[u.last + 1];
   }
@@ -132,7 +132,10 @@ struct Model {
   // An offloaded block's activations: on the host from its forward to its backward; and the time
   // of copying them there and back. (Its peaks are a plain block's: it runs as one, and its
   // activations are all back on the device before its backward.)
-  int64_t host(const Unit& u) const { return u.offloaded ? internal(u.first) + copy_kept(u, u.first) : 0; }
+  int64_t host(const Unit& u) const { return u.offloaded ? internal(u.first) + copy_kept(u, u.first) - stays(u) : 0; }
+  // What an offloaded block's graph keeps on the device: autocast's copies of its weights, made
+  // before it ran (the step casts every weight first), counted in its kept bytes as profiled.
+  int64_t stays(const Unit& u) const { return u.offloaded ? std::min(b(u.first).cast_bytes, internal(u.first)) : 0; }
   double copy_seconds(const Unit& u) const {
     if (!u.offloaded || c.copy_bytes_per_second <= 0) return 0;
     return 2.0 * static_cast<double>(host(u)) / c.copy_bytes_per_second;
