@@ -209,24 +209,64 @@ Schedule evaluate_schedule(const ChainCosts& costs, const std::vector<std::pair<
   return s;
 }
 
-Schedule solve_schedule(const ChainCosts& costs, int64_t limit, int slots, const std::vector<std::pair<int, int>>* pinned) {
-  const Model m(costs);
-  const int n = static_cast<int>(costs.blocks.size());
-  // With pinned segments, a unit is one of them where it starts, else one block, kept or offloaded.
-  std::vector<int> pinned_end(static_cast<size_t>(n), -1);  // by first block: the segment's last
-  std::vector<bool> in_pinned(static_cast<size_t>(n), false);
-  if (pinned != nullptr) {
+namespace {
+
+// Which units the DP may place: any plain block, any segment of recomputable blocks, any block
+// offloaded where the costs allow; with pinned segments, exactly those segments, and single
+// blocks (kept or offloaded) elsewhere.
+struct UnitRules {
+  UnitRules(const Model& model, const std::vector<std::pair<int, int>>* pinned) : m(model), pinned(pinned != nullptr) {
+    const int n = static_cast<int>(m.c.blocks.size());
+    pinned_end.assign(static_cast<size_t>(n), -1);
+    in_pinned.assign(static_cast<size_t>(n), false);
+    if (pinned == nullptr) return;
     for (const auto& [first, last] : *pinned) {
       if (first < 0 || last < first || last >= n) throw std::invalid_argument("pinned segments must lie inside the chain");
       pinned_end[static_cast<size_t>(first)] = last;
       for (int k = first; k <= last; ++k) in_pinned[static_cast<size_t>(k)] = true;
     }
   }
-  const auto allowed = [&](const Unit& u) {
-    if (pinned == nullptr) return u.checkpointed ? m.b(u.last).recomputable : u.first == u.last;
+  bool allowed(const Unit& u) const {
+    if (u.offloaded && !m.c.activation_offload) return false;
+    if (!pinned) return u.checkpointed ? m.b(u.last).recomputable : u.first == u.last;
     if (u.checkpointed) return pinned_end[static_cast<size_t>(u.first)] == u.last;
     return u.first == u.last && !in_pinned[static_cast<size_t>(u.first)];
-  };
+  }
+
+  const Model& m;
+  bool pinned;
+  std::vector<int> pinned_end;  // by first block: the pinned segment's last (-1: none starts there)
+  std::vector<bool> in_pinned;
+};
+
+// The DP's way back: the unit that reached each state and the state before it.
+struct Parent {
+  int first = -1, last = -1, h = -1;
+  bool checkpointed = false, offloaded = false;
+};
+
+// The schedule the parents lead to from (n, end_h), evaluated exactly.
+Schedule backtrack(const ChainCosts& costs, const std::vector<std::vector<Parent>>& parent, int n, int end_h) {
+  std::vector<std::pair<int, int>> segments;
+  std::vector<int> offloaded;
+  for (int p = n, h = end_h; p > 0;) {
+    const Parent& par = parent[static_cast<size_t>(p)][static_cast<size_t>(h)];
+    if (par.checkpointed) segments.emplace_back(par.first, par.last);
+    if (par.offloaded) offloaded.push_back(par.first);
+    p = par.first;
+    h = par.h;
+  }
+  std::reverse(segments.begin(), segments.end());
+  std::reverse(offloaded.begin(), offloaded.end());
+  return evaluate_schedule(costs, segments, offloaded);
+}
+
+}  // namespace
+
+Schedule solve_schedule(const ChainCosts& costs, int64_t limit, int slots, const std::vector<std::pair<int, int>>* pinned) {
+  const Model m(costs);
+  const UnitRules rules(m, pinned);
+  const int n = static_cast<int>(costs.blocks.size());
   if (slots <= 0) slots = std::max(200 * n, 1000);
   const double slot = std::max(1.0, static_cast<double>(limit) / slots);
   // Sizes round up to whole slots; anything beyond the limit maps to slots + 1 (never fits).
@@ -239,13 +279,9 @@ Schedule solve_schedule(const ChainCosts& costs, int64_t limit, int slots, const
 
   constexpr double kInf = std::numeric_limits<double>::infinity();
   const int width = slots + 1;
-  // best[p][h]: least extra seconds (recompute, copies) to have placed blocks < p holding h slots (the last
-  // block's output excepted); parent: the unit that got there and the previous h.
+  // best[p][h]: least extra seconds (recompute, copies) to have placed blocks < p holding h slots
+  // (the last block's output excepted); parent: the unit that got there and the previous h.
   std::vector<std::vector<double>> best(static_cast<size_t>(n) + 1, std::vector<double>(static_cast<size_t>(width), kInf));
-  struct Parent {
-    int first = -1, last = -1, h = -1;
-    bool checkpointed = false, offloaded = false;
-  };
   std::vector<std::vector<Parent>> parent(static_cast<size_t>(n) + 1, std::vector<Parent>(static_cast<size_t>(width)));
   best[0][0] = 0;
   for (int p = 0; p < n; ++p) {
@@ -254,7 +290,7 @@ Schedule solve_schedule(const ChainCosts& costs, int64_t limit, int slots, const
       if (cost == kInf) continue;
       for (int q = p; q < n; ++q) {
         for (const Unit& u : {Unit{p, q, false}, Unit{p, q, true}, Unit{p, q, false, true}}) {
-          if (!allowed(u) || (u.offloaded && !costs.activation_offload)) continue;
+          if (!rules.allowed(u)) continue;
           const int h_before = h + to_slots(m.pending(p - 1, u.checkpointed));
           if (h_before > slots) continue;
           if (m.peak(u, to_bytes(h_before)) > limit) continue;
@@ -277,20 +313,8 @@ Schedule solve_schedule(const ChainCosts& costs, int64_t limit, int slots, const
     if (m.end_of_forward(to_bytes(h), n - 1) > limit) continue;
     if (end_h < 0 || best[n][h] < best[n][end_h]) end_h = h;
   }
-  Schedule s;
-  if (end_h < 0) return s;  // infeasible
-  std::vector<std::pair<int, int>> segments;
-  std::vector<int> offloaded;
-  for (int p = n, h = end_h; p > 0;) {
-    const Parent& par = parent[p][h];
-    if (par.checkpointed) segments.emplace_back(par.first, par.last);
-    if (par.offloaded) offloaded.push_back(par.first);
-    p = par.first;
-    h = par.h;
-  }
-  std::reverse(segments.begin(), segments.end());
-  std::reverse(offloaded.begin(), offloaded.end());
-  s = evaluate_schedule(costs, segments, offloaded);
+  if (end_h < 0) return Schedule{};  // infeasible
+  Schedule s = backtrack(costs, parent, n, end_h);
   s.feasible = s.peak_bytes <= limit;
   return s;
 }
