@@ -37,6 +37,20 @@ TEST(MemorySpaceTest, HostBytesAreCountedApartAndNeverRefused) {
   EXPECT_EQ(alloc.host_allocated(), host_before);
 }
 
+// The small GPT with a tracker installed on this thread, counting its weights and buffers.
+struct TrackedGpt {
+  explicit TrackedGpt(uint64_t seed)
+      : w((test::use_memfit_allocator(), make_workload(test::small_gpt(seed)))),
+        tracker(std::make_shared<MemoryTracker>()),
+        scope(tracker) {
+    adopt_tensors(*tracker, w.chain->parameters());
+    adopt_tensors(*tracker, w.chain->buffers());
+  }
+  Workload w;
+  std::shared_ptr<MemoryTracker> tracker;
+  TrackerScope scope;
+};
+
 // Two steps of 2 micro-batches each, with or without the optimizer offloaded; the weights after
 // each, and what the tracker counted on the device and the host during the second.
 struct OffloadRun {
@@ -45,12 +59,9 @@ struct OffloadRun {
 };
 
 OffloadRun run_steps(bool offloaded) {
-  test::use_memfit_allocator();
-  Workload w = make_workload(test::small_gpt(3));
-  auto tracker = std::make_shared<MemoryTracker>();
-  TrackerScope scope(tracker);
-  adopt_tensors(*tracker, w.chain->parameters());
-  adopt_tensors(*tracker, w.chain->buffers());
+  TrackedGpt gpt(3);
+  Workload& w = gpt.w;
+  MemoryTracker* tracker = gpt.tracker.get();
   OptimizerSpec spec;  // AdamW
   StepConfig c;
   c.batch = 8;
@@ -105,12 +116,9 @@ struct ActivationRun {
 };
 
 ActivationRun run_with_offloaded(const std::vector<int>& blocks) {
-  test::use_memfit_allocator();
-  Workload w = make_workload(test::small_gpt(8));
-  auto tracker = std::make_shared<MemoryTracker>();
-  TrackerScope scope(tracker);
-  adopt_tensors(*tracker, w.chain->parameters());
-  adopt_tensors(*tracker, w.chain->buffers());
+  TrackedGpt gpt(8);
+  Workload& w = gpt.w;
+  MemoryTracker* tracker = gpt.tracker.get();
   StepConfig c;
   c.batch = 8;
   c.offload.activation_blocks = blocks;
