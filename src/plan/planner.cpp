@@ -65,12 +65,10 @@ Planner::Planner(WorkloadProfile profile, PlanRequest request) : profile_(std::m
                           [](const PrecisionProfile& p) { return !p.chain_seconds.empty(); }),
               "memfit::Planner: the profile holds no chain times (expected at least one precision timed)");
   TORCH_CHECK(!request_.optimizer_offload.empty(), "memfit::Planner: the request allows the optimizer nowhere");
+  std::vector<OptimizerCost> states{request_.optimizer};  // the spec's first
+  states.insert(states.end(), request_.optimizer_alternatives.begin(), request_.optimizer_alternatives.end());
   for (bool on_host : request_.optimizer_offload) {
-    for (OptimizerCost c : std::vector<OptimizerCost>{request_.optimizer}) {
-      c.on_host = on_host;
-      placed_.push_back(c);
-    }
-    for (OptimizerCost c : request_.optimizer_alternatives) {
+    for (OptimizerCost c : states) {
       c.on_host = on_host;
       placed_.push_back(c);
     }
@@ -428,7 +426,7 @@ int64_t Planner::floor_bytes() const {
     if (any_fits_host && !fits_host(*optimizer)) continue;  // (none fits: the host budget is what fails)
     for (const auto& pp : profile_.precisions) {
       const ChainCosts c = costs_at(m, pp, *optimizer, depth);
-      const int64_t s = request_.checkpoint ? pinned_smallest_peak(c, request_.checkpoint->segments) : smallest_peak(c);
+      const int64_t s = request_.checkpoint ? pinned_smallest_peak(c, *request_.checkpoint) : smallest_peak(c);
       smallest = std::min(smallest, std::max(s, optimizer_peak(*optimizer)));
     }
   }
@@ -437,19 +435,15 @@ int64_t Planner::floor_bytes() const {
          request_.outside_bytes;
 }
 
-int64_t Planner::pinned_smallest_peak(const ChainCosts& c, const std::vector<std::pair<int, int>>& segments) const {
+int64_t Planner::pinned_smallest_peak(const ChainCosts& c, const CheckpointPlan& pinned) const {
   // Offloading a block only takes its activations off the device: every block not recomputed
   // offloaded is the least a pinned schedule holds.
   std::vector<int> offloaded;
-  if (c.activation_offload) {
-    for (int k = 0; k < static_cast<int>(c.blocks.size()); ++k) {
-      const bool recomputed = std::any_of(segments.begin(), segments.end(), [k](auto s) { return s.first <= k && k <= s.second; });
-      if (!recomputed) offloaded.push_back(k);
-    }
+  for (int k = 0; c.activation_offload && k < static_cast<int>(c.blocks.size()); ++k) {
+    if (!pinned.recomputes(k)) offloaded.push_back(k);
   }
-  return evaluate_schedule(c, segments, offloaded).peak_bytes;
+  return evaluate_schedule(c, pinned.segments, offloaded).peak_bytes;
 }
-
 int64_t Planner::usable_bytes(int64_t budget) const {
   const double allocator_share = static_cast<double>(budget - request_.outside_bytes) / request_.reserved_per_allocated;
   return static_cast<int64_t>(allocator_share * (1.0 - request_.margin));

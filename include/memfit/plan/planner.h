@@ -181,8 +181,8 @@ class Planner {
   // The allocated bytes a plan for `budget` may peak at: outside memory, the allocator's
   // reserved/allocated relation and the margin taken off.
   int64_t usable_bytes(int64_t budget) const;
-  // The smallest peak with the checkpoint schedule pinned to `segments` (offloading what it may).
-  int64_t pinned_smallest_peak(const ChainCosts& costs, const std::vector<std::pair<int, int>>& segments) const;
+  // The smallest peak with the checkpoint schedule pinned (offloading what it may).
+  int64_t pinned_smallest_peak(const ChainCosts& costs, const CheckpointPlan& pinned) const;
   void add_gathered_blocks(ChainCosts& costs, int prefetch_depth) const;
   Plan prediction_base(int64_t budget) const;
   std::vector<int64_t> candidate_sizes() const;  // the pinned micro-batch, or B, B/2, B/4, ... 1
