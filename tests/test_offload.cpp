@@ -148,6 +148,33 @@ TEST(ActivationOffloadTest, GradientsBitEqualWithLessOnTheDevice) {
   EXPECT_LT(offloaded.device_peak, plain.device_peak);
 }
 
+// Prefetch one block ahead: when backward reaches the block after an offloaded one, the
+// offloaded block's saved storage is already back on the device (made there, its copy under
+// way), before backward reaches the offloaded block itself; without prefetch it is not yet.
+int64_t device_bytes_when_next_block_is_reached(bool prefetch) {
+  test::use_memfit_allocator();
+  auto tracker = std::make_shared<MemoryTracker>();
+  TrackerScope scope(tracker);
+  const at::Tensor x = torch::randn({1 << 16}).requires_grad_(true);  // 256 KiB
+  std::shared_ptr<OffloadedActivations> saved;
+  // sin saves its input, made in the block: x * 2 (256 KiB) goes to the host.
+  const at::Tensor a = run_offloaded([](const at::Tensor& in) { return (in * 2).sin(); }, x, {}, &saved);
+  const at::Tensor b = a.exp();  // the block after it (plain)
+  if (prefetch) prefetch_when_reached(b, saved);
+  int64_t device_then = -1;
+  b.register_hook([&](const at::Tensor&) { device_then = tracker->current(MemoryDevice::kCPU); });
+  const int64_t before_backward = tracker->current(MemoryDevice::kCPU);
+  b.sum().backward();
+  return device_then - before_backward;
+}
+
+TEST(ActivationOffloadTest, PrefetchBringsTheBlockBackWhenTheNextIsReached) {
+  ASSERT_TRUE(activation_offload_available());
+  const int64_t with = device_bytes_when_next_block_is_reached(true);
+  const int64_t without = device_bytes_when_next_block_is_reached(false);
+  EXPECT_EQ(with - without, (1 << 16) * 4) << "the offloaded block's saved x * 2, back on the device";
+}
+
 TrainOptions offload_options() {
   TrainOptions o;
   o.step.batch = 8;

@@ -153,6 +153,15 @@ class Profiler:
         cp.forward_nograd_seconds = sum(nograd.fwd_seconds[1:-1])
         return cp
 
+    def one_sample(self, precision):
+        """The blocks at one sample (their bytes fit the sizes below the quarter: some ops keep
+        more at one sample than the line through larger sizes says), or none (micro_batch 0)
+        where the model cannot train on one sample, as BatchNorm on a 1x1 map."""
+        try:
+            return self.chain_profile(precision, 1)
+        except (RuntimeError, ValueError):
+            return _C.ChainProfile()
+
     def precision_profile(self, precision):
         a, b = profiled_sizes(self.samples)
         pp = _C.PrecisionProfile(precision)
@@ -161,6 +170,8 @@ class Profiler:
         self._progress(f"{precision}, {b} samples")
         pp.small = self.chain_profile(precision, a) if a < b else pp.large
         self._progress(f"{precision}, {a} samples")
+        if a > 1:
+            pp.one_sample = self.one_sample(precision)
         pp.calibration = 1.0  # the parts' peaks are put in the model's terms as measured
         return pp
 

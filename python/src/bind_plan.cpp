@@ -114,6 +114,7 @@ void bind_costs(py::module_& m) {
       .def_property_readonly("precision", [](const PrecisionProfile& p) { return std::string(precision_name(p.precision)); })
       .def_readwrite("small", &PrecisionProfile::small)
       .def_readwrite("large", &PrecisionProfile::large)
+      .def_readwrite("one_sample", &PrecisionProfile::one_sample)
       .def_readwrite("calibration", &PrecisionProfile::calibration)
       .def_property(
           "chain_seconds",

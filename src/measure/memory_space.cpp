@@ -1,9 +1,19 @@
 #include "memfit/measure/memory_space.h"
 
 #include <ATen/ATen.h>
+#include <ATen/Parallel.h>
 
 #include <algorithm>
 #include <chrono>
+#include <future>
+
+#include "memfit/compat.h"
+
+#if MEMFIT_WITH_CUDA
+#include <ATen/cuda/CUDAEvent.h>
+#include <c10/cuda/CUDAGuard.h>
+#include <c10/cuda/CUDAStream.h>
+#endif
 
 namespace memfit {
 namespace {
@@ -32,6 +42,63 @@ at::Tensor copy_to_device(const at::Tensor& host, const c10::Device& device, boo
   if (device.is_cuda()) return host.to(device, non_blocking, /*copy=*/true);
   DeviceSpaceGuard on_device;
   return host.clone(at::MemoryFormat::Preserve);
+}
+
+struct CopyToDevice::Pending {
+  at::Tensor host, device;
+  std::future<void> done;  // the CPU's copy
+#if MEMFIT_WITH_CUDA
+  std::unique_ptr<at::cuda::CUDAEvent> copied;  // recorded on the side stream after the copy
+#endif
+};
+
+CopyToDevice::CopyToDevice(const at::Tensor& host, const c10::Device& device) : pending_(std::make_unique<Pending>()) {
+  Pending& p = *pending_;
+  p.host = host;
+#if MEMFIT_WITH_CUDA
+  if (device.is_cuda()) {
+    const c10::cuda::CUDAStream compute = c10::cuda::getCurrentCUDAStream(device.index());
+    const c10::cuda::CUDAStream side = c10::cuda::getStreamFromPool(false, device.index());
+    p.device = at::empty(host.sizes(), host.options().device(device));  // on the compute stream
+    p.device.record_stream(side);  // not reused before the side stream is done with it
+    at::cuda::CUDAEvent made;
+    made.record(compute);
+    made.block(side);
+    c10::cuda::CUDAStreamGuard on_side(side);
+    p.device.copy_(host, /*non_blocking=*/true);  // pinned host memory: asynchronous
+    p.copied = std::make_unique<at::cuda::CUDAEvent>();
+    p.copied->record(side);
+    return;
+  }
+#endif
+  {
+    DeviceSpaceGuard on_device;
+    p.device = at::empty_like(host, at::MemoryFormat::Preserve);
+  }
+  auto promise = std::make_shared<std::promise<void>>();
+  p.done = promise->get_future();
+  at::launch([promise, from = host, to = p.device]() mutable {
+    try {
+      to.copy_(from);
+      promise->set_value();
+    } catch (...) {
+      promise->set_exception(std::current_exception());
+    }
+  });
+}
+
+CopyToDevice::~CopyToDevice() {
+  if (pending_ && pending_->done.valid()) pending_->done.wait();
+}
+
+at::Tensor CopyToDevice::wait() {
+  Pending& p = *pending_;
+#if MEMFIT_WITH_CUDA
+  if (p.copied) p.copied->block(c10::cuda::getCurrentCUDAStream(p.device.device().index()));
+#endif
+  if (p.done.valid()) p.done.get();
+  p.host = at::Tensor();
+  return p.device;
 }
 
 double measure_copy_bytes_per_second(const c10::Device& device) {

@@ -234,6 +234,21 @@ std::string slow_precision_note(const Workload& w, const Slowdown& slow, Precisi
          "x: too slow to be the fastest); `precision` " + precision_name(precision) + " plans with it alone";
 }
 
+// The blocks at one sample, or none (micro_batch 0) where the model cannot train on one
+// (BatchNorm on a 1x1 map): plans of one sample then fail when run, as the model would.
+ChainProfile profile_one_sample(Workload& w, const Batch& batch, Precision precision, MemoryTracker& tracker) {
+  const RngState rng = capture_rng(batch.input.device());
+  try {
+    return profile_chain(w, batch, 1, precision, tracker);
+  } catch (const c10::OutOfMemoryError&) {
+    throw;
+  } catch (const c10::Error&) {
+    zero_grad(w.chain->parameters(), true);  // the failed run's partial gradients
+    restore_rng(rng);
+    return {};
+  }
+}
+
 }  // namespace
 
 PrecisionProfile profile_precision(Workload& w, const Batch& batch, Precision precision, MemoryTracker& tracker) {
@@ -253,6 +268,7 @@ PrecisionProfile profile_precision(Workload& w, const Batch& batch, Precision pr
   run.fresh(b, &measured);  // first use of this size (and of the chain); its peak calibrates
   pp.large = profile_chain(w, batch, b, precision, tracker);
   pp.small = b > a ? profile_chain(w, batch, a, precision, tracker) : pp.large;
+  if (a > 1) pp.one_sample = profile_one_sample(w, batch, precision, tracker);
   calibrate(pp, measured);
   return pp;
 }
@@ -319,38 +335,52 @@ std::vector<double> time_plain_chain(Workload& w, const Batch& batch, Precision 
   return seconds;
 }
 
+namespace {
+
+// A block's bytes at m on the line through two measured sizes (lo at m1, hi at m2), those
+// inside the block calibrated against the whole chain's measured peak.
+void fit_block_bytes(const BlockCost& lo, int64_t m1, const BlockCost& hi, int64_t m2, int64_t m, double calibration,
+                     BlockCost& f) {
+  const auto fit = [&](int64_t BlockCost::*field) { return fit_bytes(m1, lo.*field, m2, hi.*field, m); };
+  const auto fit_calibrated = [&](int64_t BlockCost::*field) { return calibrated(fit(field), calibration); };
+  f.output_bytes = fit(&BlockCost::output_bytes);
+  f.input_copy_bytes = fit(&BlockCost::input_copy_bytes);
+  f.kept_bytes = fit_calibrated(&BlockCost::kept_bytes);
+  f.forward_peak = fit_calibrated(&BlockCost::forward_peak);
+  f.forward_nograd_peak = fit_calibrated(&BlockCost::forward_nograd_peak);
+  f.backward_peak = fit_calibrated(&BlockCost::backward_peak);
+  f.backward_peak_accumulating = fit_calibrated(&BlockCost::backward_peak_accumulating);
+  f.backward_held_input_bytes = fit(&BlockCost::backward_held_input_bytes);
+  f.backward_held_by_segment_bytes = fit(&BlockCost::backward_held_by_segment_bytes);
+  f.backward_held_all_bytes = fit(&BlockCost::backward_held_all_bytes);
+}
+
+}  // namespace
+
 ChainCosts block_costs_at(const PrecisionProfile& p, int64_t m) {
   ChainCosts c;
   const int64_t m1 = p.small.micro_batch, m2 = p.large.micro_batch;
   // Below the smallest measured size a block is not assumed any faster: fixed per-call costs
   // dominate there (these seconds only divide the chain's time among blocks).
   const int64_t mt = std::max(m, m1);
+  // Bytes below small: on the line from one sample, where it was measured.
+  const bool below = m < m1 && p.one_sample.micro_batch > 0 && p.one_sample.micro_batch < m1;
+  const ChainProfile& lo = below ? p.one_sample : p.small;
+  const ChainProfile& hi = below ? p.small : p.large;
   for (size_t i = 0; i < p.small.blocks.size(); ++i) {
     const BlockCost& s = p.small.blocks[i];
     const BlockCost& l = p.large.blocks[i];
     BlockCost f;
     f.forward_seconds = fit_line(m1, s.forward_seconds, m2, l.forward_seconds, mt);
     f.backward_seconds = fit_line(m1, s.backward_seconds, m2, l.backward_seconds, mt);
-    f.output_bytes = fit_bytes(m1, s.output_bytes, m2, l.output_bytes, m);
+    fit_block_bytes(lo.blocks[i], lo.micro_batch, hi.blocks[i], hi.micro_batch, m, p.calibration, f);
     f.output_kept = l.output_kept;
     f.recomputable = l.recomputable;
-    f.input_copy_bytes = fit_bytes(m1, s.input_copy_bytes, m2, l.input_copy_bytes, m);
     f.input_copy_kept = l.input_copy_kept;
     f.keeps_own_output = l.keeps_own_output;
     f.shared_gradient_bytes = l.shared_gradient_bytes;
     f.param_bytes = s.param_bytes;
     f.cast_bytes = s.cast_bytes;
-    // Bytes inside blocks are calibrated against the whole chain's measured peak.
-    f.kept_bytes = calibrated(fit_bytes(m1, s.kept_bytes, m2, l.kept_bytes, m), p.calibration);
-    f.forward_peak = calibrated(fit_bytes(m1, s.forward_peak, m2, l.forward_peak, m), p.calibration);
-    f.forward_nograd_peak = calibrated(fit_bytes(m1, s.forward_nograd_peak, m2, l.forward_nograd_peak, m), p.calibration);
-    f.backward_peak = calibrated(fit_bytes(m1, s.backward_peak, m2, l.backward_peak, m), p.calibration);
-    f.backward_peak_accumulating = calibrated(
-        fit_bytes(m1, s.backward_peak_accumulating, m2, l.backward_peak_accumulating, m), p.calibration);
-    f.backward_held_input_bytes = fit_bytes(m1, s.backward_held_input_bytes, m2, l.backward_held_input_bytes, m);
-    f.backward_held_by_segment_bytes =
-        fit_bytes(m1, s.backward_held_by_segment_bytes, m2, l.backward_held_by_segment_bytes, m);
-    f.backward_held_all_bytes = fit_bytes(m1, s.backward_held_all_bytes, m2, l.backward_held_all_bytes, m);
     c.blocks.push_back(f);
   }
   return c;
@@ -486,11 +516,13 @@ ChainProfile chain_profile_from_json(const nlohmann::json& j, size_t blocks) {
 nlohmann::json precision_profile_json(const PrecisionProfile& p) {
   nlohmann::json times = nlohmann::json::array();
   for (const auto& t : p.chain_seconds) times.push_back({t.micro_batch, t.seconds});
-  return {{"precision", precision_name(p.precision)},
-          {"small", chain_profile_json(p.small)},
-          {"large", chain_profile_json(p.large)},
-          {"calibration", p.calibration},
-          {"chain_seconds", times}};  // [[micro-batch, seconds], ...]
+  nlohmann::json j{{"precision", precision_name(p.precision)},
+                   {"small", chain_profile_json(p.small)},
+                   {"large", chain_profile_json(p.large)},
+                   {"calibration", p.calibration},
+                   {"chain_seconds", times}};  // [[micro-batch, seconds], ...]
+  if (p.one_sample.micro_batch > 0) j["one_sample"] = chain_profile_json(p.one_sample);
+  return j;
 }
 
 PrecisionProfile precision_profile_from_json(const nlohmann::json& j, size_t blocks) {
@@ -498,6 +530,7 @@ PrecisionProfile precision_profile_from_json(const nlohmann::json& j, size_t blo
   p.precision = parse_precision(jf::text(j, "precision"));
   p.small = chain_profile_from_json(jf::field(j, "small"), blocks);
   p.large = chain_profile_from_json(jf::field(j, "large"), blocks);
+  if (j.contains("one_sample")) p.one_sample = chain_profile_from_json(j["one_sample"], blocks);  // absent: not measured
   p.calibration = jf::number(j, "calibration");
   int64_t previous = 0;
   for (const auto& t : jf::array(j, "chain_seconds")) {

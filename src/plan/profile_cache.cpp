@@ -20,7 +20,7 @@ namespace fs = std::filesystem;
 namespace memfit {
 namespace {
 
-constexpr int kFormat = 2;  // of the files; another number is ignored as stale (1: three chain times)
+constexpr int kFormat = 3;  // of the files; another number is ignored as stale (1: three chain times; 2: no one-sample blocks)
 
 // The running program's sha256, computed once per process ("" where it cannot be read).
 const std::string& program_sha256() {

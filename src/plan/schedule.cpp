@@ -82,27 +82,34 @@ struct Model {
   }
 
   // The highest live bytes while unit u runs forward and backward, given `before` bytes held by
-  // the units before it (their pending output included).
-  int64_t peak(const Unit& u, int64_t before) const {
+  // the units before it (their pending output included). An offloaded block just before u comes
+  // back while u's backward runs (prefetched one block ahead): its host bytes are on the device
+  // again from the start of u's backward (`prefetched`).
+  int64_t peak(const Unit& u, int64_t before, int64_t prefetched = 0) const {
     const int64_t base = c.fixed_bytes + before;
-    return u.checkpointed ? segment_peak(u, base) : plain_peak(u.first, base);
+    return u.checkpointed ? segment_peak(u, base, prefetched) : plain_peak(u.first, base, prefetched);
   }
-  int64_t plain_peak(int k, int64_t base) const {
+  int64_t plain_peak(int k, int64_t base, int64_t prefetched) const {
     const int64_t grads = c.gradients_present ? all_grads() : grads_after[k];
     const Unit u{k, k, false};
     // In forward, the casts of the blocks ahead are already cached (the step makes them all
     // first); a block's own cast is part of its measured forward peak. Its backward's peak
     // counts the gradient arriving for its output, freed once used.
     return std::max(base + casts_from[k + 1] + copy(u, k) + b(k).forward_peak,
-                    base + grads + own_output(k) + internal(k) + copy_kept(u, k) + backward(k) +
+                    base + prefetched + grads + own_output(k) + internal(k) + copy_kept(u, k) + backward(k) +
                         held_past_use(k, false, input_held(u, k)));
   }
-  int64_t segment_peak(const Unit& u, int64_t base) const {
+  // What comes back ahead of unit u's backward: the host bytes of block u.first - 1, offloaded.
+  int64_t prefetched_before(const Unit& u, bool previous_offloaded) const {
+    return previous_offloaded ? host(Unit{u.first - 1, u.first - 1, false, true}) : 0;
+  }
+  int64_t segment_peak(const Unit& u, int64_t base_forward, int64_t prefetched) const {
+    const int64_t base = base_forward + prefetched;  // in backward (recompute included)
     const int64_t grads = c.gradients_present ? all_grads() : grads_after[u.last];
     const int64_t delta = b(u.last).output_bytes;  // the gradient arriving from the next unit
     int64_t p = 0;
     for (int k = u.first; k <= u.last; ++k) {
-      p = std::max(p, base + casts_from[k + 1] + copy(u, k) + b(k).forward_nograd_peak);
+      p = std::max(p, base_forward + casts_from[k + 1] + copy(u, k) + b(k).forward_nograd_peak);
     }
     // Backward: the segment runs again keeping everything, then its blocks' backward.
     int64_t kept = 0;
@@ -194,10 +201,12 @@ Schedule evaluate_schedule(const ChainCosts& costs, const std::vector<std::pair<
   s.offloaded = offloaded;
   int64_t held = 0;
   int prev_last = -1;
+  bool prev_offloaded = false;
   for (const Unit& u : units_of(n, segments, offloaded)) {
     held += m.pending(prev_last, u.checkpointed);
-    s.peak_bytes = std::max(s.peak_bytes, m.peak(u, held));
+    s.peak_bytes = std::max(s.peak_bytes, m.peak(u, held, m.prefetched_before(u, prev_offloaded)));
     held += m.held(u);
+    prev_offloaded = u.offloaded;
     s.host_bytes += m.host(u);
     s.recompute_seconds += m.recompute_seconds(u);
     s.copy_seconds += m.copy_seconds(u);
@@ -239,22 +248,31 @@ struct UnitRules {
   std::vector<bool> in_pinned;
 };
 
+// A DP state past its block position: h slots held by the blocks placed, and whether the last
+// of them is offloaded (it comes back during the next unit's backward: Model::peak).
+struct Held {
+  int h = 0;
+  bool offloaded = false;
+  size_t index() const { return 2 * static_cast<size_t>(h) + (offloaded ? 1 : 0); }
+};
+
 // The DP's way back: the unit that reached each state and the state before it.
 struct Parent {
-  int first = -1, last = -1, h = -1;
+  int first = -1, last = -1;
+  Held before;
   bool checkpointed = false, offloaded = false;
 };
 
-// The schedule the parents lead to from (n, end_h), evaluated exactly.
-Schedule backtrack(const ChainCosts& costs, const std::vector<std::vector<Parent>>& parent, int n, int end_h) {
+// The schedule the parents lead to from (n, end), evaluated exactly.
+Schedule backtrack(const ChainCosts& costs, const std::vector<std::vector<Parent>>& parent, int n, Held end) {
   std::vector<std::pair<int, int>> segments;
   std::vector<int> offloaded;
-  for (int p = n, h = end_h; p > 0;) {
-    const Parent& par = parent[static_cast<size_t>(p)][static_cast<size_t>(h)];
+  for (int p = n; p > 0;) {
+    const Parent& par = parent[static_cast<size_t>(p)][end.index()];
     if (par.checkpointed) segments.emplace_back(par.first, par.last);
     if (par.offloaded) offloaded.push_back(par.first);
     p = par.first;
-    h = par.h;
+    end = par.before;
   }
   std::reverse(segments.begin(), segments.end());
   std::reverse(offloaded.begin(), offloaded.end());
@@ -278,43 +296,48 @@ Schedule solve_schedule(const ChainCosts& costs, int64_t limit, int slots, const
   auto to_bytes = [&](int h) { return static_cast<int64_t>(std::ceil(h * slot)); };
 
   constexpr double kInf = std::numeric_limits<double>::infinity();
-  const int width = slots + 1;
-  // best[p][h]: least extra seconds (recompute, copies) to have placed blocks < p holding h slots
-  // (the last block's output excepted); parent: the unit that got there and the previous h.
-  std::vector<std::vector<double>> best(static_cast<size_t>(n) + 1, std::vector<double>(static_cast<size_t>(width), kInf));
-  std::vector<std::vector<Parent>> parent(static_cast<size_t>(n) + 1, std::vector<Parent>(static_cast<size_t>(width)));
-  best[0][0] = 0;
+  const size_t states = 2 * static_cast<size_t>(slots + 1);  // Held::index
+  // best[p][state]: least extra seconds (recompute, copies) to have placed blocks < p holding
+  // state.h slots (the last block's output excepted); parent: the unit that got there and the
+  // state before.
+  std::vector<std::vector<double>> best(static_cast<size_t>(n) + 1, std::vector<double>(states, kInf));
+  std::vector<std::vector<Parent>> parent(static_cast<size_t>(n) + 1, std::vector<Parent>(states));
+  best[0][Held{}.index()] = 0;
   for (int p = 0; p < n; ++p) {
-    for (int h = 0; h < width; ++h) {
-      const double cost = best[p][h];
-      if (cost == kInf) continue;
-      for (int q = p; q < n; ++q) {
-        for (const Unit& u : {Unit{p, q, false}, Unit{p, q, true}, Unit{p, q, false, true}}) {
-          if (!rules.allowed(u)) continue;
-          const int h_before = h + to_slots(m.pending(p - 1, u.checkpointed));
-          if (h_before > slots) continue;
-          if (m.peak(u, to_bytes(h_before)) > limit) continue;
-          const int h_after = h_before + to_slots(m.held(u));
-          if (h_after > slots) continue;
-          const double c = cost + m.extra_seconds(u);
-          if (c < best[q + 1][h_after]) {
-            best[q + 1][h_after] = c;
-            parent[q + 1][h_after] = {p, q, h, u.checkpointed, u.offloaded};
+    for (int h = 0; h <= slots; ++h) {
+      for (const Held before : {Held{h, false}, Held{h, true}}) {
+        const double cost = best[p][before.index()];
+        if (cost == kInf) continue;
+        for (int q = p; q < n; ++q) {
+          for (const Unit& u : {Unit{p, q, false}, Unit{p, q, true}, Unit{p, q, false, true}}) {
+            if (!rules.allowed(u)) continue;
+            const int h_before = h + to_slots(m.pending(p - 1, u.checkpointed));
+            if (h_before > slots) continue;
+            if (m.peak(u, to_bytes(h_before), m.prefetched_before(u, before.offloaded)) > limit) continue;
+            const Held after{h_before + to_slots(m.held(u)), u.offloaded};
+            if (after.h > slots) continue;
+            const double c = cost + m.extra_seconds(u);
+            if (c < best[q + 1][after.index()]) {
+              best[q + 1][after.index()] = c;
+              parent[q + 1][after.index()] = {p, q, before, u.checkpointed, u.offloaded};
+            }
           }
+          if (!m.b(q).recomputable) break;  // no segment from p reaches past it
         }
-        if (!m.b(q).recomputable) break;  // no segment from p reaches past it
       }
     }
   }
   // The cheapest end state whose end of forward fits too; ties go to fewer held bytes.
-  int end_h = -1;
-  for (int h = 0; h < width; ++h) {
-    if (best[n][h] == kInf) continue;
-    if (m.end_of_forward(to_bytes(h), n - 1) > limit) continue;
-    if (end_h < 0 || best[n][h] < best[n][end_h]) end_h = h;
+  Held end{-1, false};
+  for (int h = 0; h <= slots; ++h) {
+    for (const Held state : {Held{h, false}, Held{h, true}}) {
+      const double cost = best[n][state.index()];
+      if (cost == kInf || m.end_of_forward(to_bytes(h), n - 1) > limit) continue;
+      if (end.h < 0 || cost < best[n][end.index()]) end = state;
+    }
   }
-  if (end_h < 0) return Schedule{};  // infeasible
-  Schedule s = backtrack(costs, parent, n, end_h);
+  if (end.h < 0) return Schedule{};  // infeasible
+  Schedule s = backtrack(costs, parent, n, end);
   s.feasible = s.peak_bytes <= limit;
   return s;
 }

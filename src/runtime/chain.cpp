@@ -5,6 +5,7 @@
 #include <stdexcept>
 #include <unordered_map>
 #include <unordered_set>
+#include <utility>
 
 #include "memfit/compat.h"
 #include "memfit/errors.h"
@@ -237,16 +238,19 @@ at::Tensor Chain::run_through_runner(const at::Tensor& input) {
   return x;
 }
 
-at::Tensor Chain::run_plain(const at::Tensor& input, int first, int last, const std::vector<int>& offloaded) {
+at::Tensor Chain::run_plain(const at::Tensor& input, int first, int last, const std::vector<int>& offloaded,
+                            std::shared_ptr<OffloadedActivations>& waiting) {
   at::Tensor x = input;
   for (int k = first; k <= last; ++k) {
+    std::shared_ptr<OffloadedActivations> saved;
     if (!std::binary_search(offloaded.begin(), offloaded.end(), k)) {
       x = run_block(k, x);
-      continue;
+    } else {
+      std::vector<at::Tensor> stay = block_parameters(k, k);
+      for (auto& b : block_buffers(k, k)) stay.push_back(std::move(b));
+      x = run_offloaded([this, k](const at::Tensor& in) { return run_block(k, in); }, x, stay, &saved);
     }
-    std::vector<at::Tensor> stay = block_parameters(k, k);
-    for (auto& b : block_buffers(k, k)) stay.push_back(std::move(b));
-    x = run_offloaded([this, k](const at::Tensor& in) { return run_block(k, in); }, x, stay);
+    prefetch_when_reached(x, std::exchange(waiting, saved));
   }
   return x;
 }
@@ -254,19 +258,22 @@ at::Tensor Chain::run_plain(const at::Tensor& input, int first, int last, const 
 at::Tensor Chain::forward(const at::Tensor& input, const CheckpointPlan& plan, const std::vector<int>& offloaded) {
   if (runner_) return run_through_runner(input);
   at::Tensor x = plan.recomputes(0) ? input : own_input(input);  // (a checkpoint copies its own)
+  // An offloaded block's activations come back while the unit after it runs its backward.
+  std::shared_ptr<OffloadedActivations> waiting;
   int next = 0;
   for (const auto& [first, last] : plan.segments) {
     TORCH_CHECK(first >= next && last >= first && last < size(),
                 "memfit::Chain: checkpoint segments must be sorted, disjoint and inside 0..",
                 size() - 1, "; got ", plan.describe());
-    if (first > next) x = run_plain(x, next, first - 1, offloaded);
+    if (first > next) x = run_plain(x, next, first - 1, offloaded, waiting);
     // The tag is set inside the block function too, so recomputed bytes carry block indices.
     const int f = first, l = last;
     x = checkpoint([this, f, l](const at::Tensor& in) { return run_blocks(in, f, l); }, x,
                    block_parameters(first, last), block_buffers(first, last), may_write_input(first));
+    prefetch_when_reached(x, std::exchange(waiting, nullptr));
     next = last + 1;
   }
-  if (next < size()) x = run_plain(x, next, size() - 1, offloaded);
+  if (next < size()) x = run_plain(x, next, size() - 1, offloaded, waiting);
   return x;
 }
 

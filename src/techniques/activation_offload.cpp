@@ -24,6 +24,7 @@ struct MovedStorage {
   c10::weak_intrusive_ptr<c10::StorageImpl> origin;  // to tell a live storage from a reused address
   at::Tensor host;    // flat copy (undefined once brought back, or when kept on the device)
   at::Tensor device;  // flat, on the device (undefined while on the host)
+  std::unique_ptr<CopyToDevice> incoming;  // prefetched: on its way back
   c10::Device where;
 };
 
@@ -33,10 +34,12 @@ at::Tensor flat_storage(const at::Tensor& t) {
   return at::empty({0}, t.options()).set_(t.storage(), 0, {numel}, {1});
 }
 
+}  // namespace
+
 // One block's run: the storages its graph saved, moved together.
-class OffloadedBlock {
+class OffloadedActivations {
  public:
-  OffloadedBlock(const at::Tensor& input, const std::vector<at::Tensor>& stay) : tracker_(MemoryTracker::active()) {
+  OffloadedActivations(const at::Tensor& input, const std::vector<at::Tensor>& stay) : tracker_(MemoryTracker::active()) {
     stay_.push_back(storage_of(input));
     for (const auto& t : stay) stay_.push_back(storage_of(t));
     if (tracker_ != nullptr) first_order_ = tracker_->next_allocation_order();
@@ -88,13 +91,25 @@ class OffloadedBlock {
     entry->host = at::Tensor();
   }
 
+  // Every moved storage on its way back to the device, beside the caller's work (the device
+  // memory made now); bring_back waits for them.
+  void prefetch() {
+    std::lock_guard<std::mutex> lock(mutex_);
+    for (auto& [key, known] : moved_) {
+      const std::shared_ptr<MovedStorage> entry = known.lock();
+      if (!entry || !entry->host.defined() || entry->incoming) continue;
+      entry->incoming = std::make_unique<CopyToDevice>(entry->host, entry->where);
+    }
+  }
+
   // Every moved storage back on the device (once; the host copies freed).
   void bring_back() {
     std::lock_guard<std::mutex> lock(mutex_);
     for (auto& [key, known] : moved_) {
       const std::shared_ptr<MovedStorage> entry = known.lock();
       if (!entry || !entry->host.defined()) continue;
-      entry->device = copy_to_device(entry->host, entry->where);
+      entry->device = entry->incoming ? entry->incoming->wait() : copy_to_device(entry->host, entry->where);
+      entry->incoming.reset();
       entry->host = at::Tensor();
     }
   }
@@ -120,17 +135,19 @@ class OffloadedBlock {
   std::map<std::pair<const void*, at::ScalarType>, std::weak_ptr<MovedStorage>> moved_;
 };
 
-thread_local std::shared_ptr<OffloadedBlock> t_offloading;  // the block running offloaded, if any
+namespace {
+
+thread_local std::shared_ptr<OffloadedActivations> t_offloading;  // the block running offloaded, if any
 
 class OffloadHooks final : public torch::autograd::SavedVariableHooks {
  public:
-  explicit OffloadHooks(std::shared_ptr<OffloadedBlock> block) : block_(std::move(block)) {}
+  explicit OffloadHooks(std::shared_ptr<OffloadedActivations> block) : block_(std::move(block)) {}
   void call_pack_hook(const at::Tensor& tensor) override { packed_ = block_->pack(tensor); }
   at::Tensor call_unpack_hook() override { return block_->unpack(packed_); }
 
  private:
-  std::shared_ptr<OffloadedBlock> block_;  // kept alive by the graph that saved into it
-  OffloadedBlock::Packed packed_;
+  std::shared_ptr<OffloadedActivations> block_;  // kept alive by the graph that saved into it
+  OffloadedActivations::Packed packed_;
 };
 
 // LibTorch's engine, handing out memfit's hooks while a block runs offloaded on the thread.
@@ -163,14 +180,15 @@ bool install_engine() {
 bool activation_offload_available() { return install_engine(); }
 
 at::Tensor run_offloaded(const std::function<at::Tensor(const at::Tensor&)>& block, const at::Tensor& x,
-                         const std::vector<at::Tensor>& stay) {
+                         const std::vector<at::Tensor>& stay, std::shared_ptr<OffloadedActivations>* activations) {
   if (!at::GradMode::is_enabled() || !install_engine()) return block(x);
-  auto offloaded = std::make_shared<OffloadedBlock>(x, stay);
+  auto offloaded = std::make_shared<OffloadedActivations>(x, stay);
+  if (activations != nullptr) *activations = offloaded;
   at::Tensor y;
   {
     const auto previous = std::exchange(t_offloading, offloaded);
     struct Restore {
-      std::shared_ptr<OffloadedBlock> previous;
+      std::shared_ptr<OffloadedActivations> previous;
       ~Restore() { t_offloading = previous; }
     } restore{previous};
     y = block(x);
@@ -181,6 +199,11 @@ at::Tensor run_offloaded(const std::function<at::Tensor(const at::Tensor&)>& blo
     y.register_hook([offloaded](const at::Tensor&) { offloaded->bring_back(); });
   }
   return y;
+}
+
+void prefetch_when_reached(const at::Tensor& later, std::shared_ptr<OffloadedActivations> activations) {
+  if (!activations || !later.requires_grad()) return;
+  later.register_hook([activations](const at::Tensor&) { activations->prefetch(); });
 }
 
 }  // namespace memfit

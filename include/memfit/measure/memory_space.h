@@ -12,6 +12,8 @@
 #include <ATen/core/Tensor.h>
 #include <c10/core/Device.h>
 
+#include <memory>
+
 namespace memfit {
 
 enum class MemorySpace : uint8_t { kDevice = 0, kHost = 1 };
@@ -48,6 +50,30 @@ class DeviceSpaceGuard {
 at::Tensor copy_to_host(const at::Tensor& tensor, bool non_blocking = false);
 // A copy of a host tensor on `device` (its device space).
 at::Tensor copy_to_device(const at::Tensor& host, const c10::Device& device, bool non_blocking = false);
+
+// A copy of a host tensor to `device` started now and finished later, beside the compute: on
+// CUDA on a side stream, on the CPU on one of LibTorch's inter-op threads (a memcpy beside the
+// compute's threads). The device memory is made at the start, on the calling thread, so it is
+// counted and budgeted there; the host tensor is kept until the copy is done.
+//
+//   memfit::CopyToDevice copy(host, device);   // e.g. the next block's activations
+//   ...                                        // this block's backward
+//   at::Tensor back = copy.wait();
+class CopyToDevice {
+ public:
+  CopyToDevice(const at::Tensor& host, const c10::Device& device);
+  ~CopyToDevice();  // waits for an unfinished copy (its memory may not be reused under it)
+  CopyToDevice(const CopyToDevice&) = delete;
+  CopyToDevice& operator=(const CopyToDevice&) = delete;
+
+  // The device tensor, the copy finished for the calling thread's work (on CUDA: its current
+  // stream waits for the side stream). Rethrows an error of the copy.
+  at::Tensor wait();
+
+ private:
+  struct Pending;
+  std::unique_ptr<Pending> pending_;
+};
 
 // Bytes per second of a copy from `device` to the host (pinned) and back, measured on a few MiB:
 // the offload's time model. On the CPU it is a memcpy's, a stand-in for a real link.

@@ -5,8 +5,11 @@
 // calibrates the blocks' bytes; the run warms allocator and caches), then each block alone
 // (its input detached) at a half and a quarter of the batch: forward and backward seconds,
 // output bytes, bytes kept for backward, transient peaks with and without grad, whether the
-// next block keeps its input.
-// Bytes at other sizes are fitted linearly; the chain's bytes calibrate the blocks'.
+// next block keeps its input. Where a quarter is more than one sample, the blocks' bytes are
+// measured at one sample too: some ops keep more at one sample than the line through the
+// larger sizes says (the default GPT's attention: one [1, T, d] copy more a block).
+// Bytes at other sizes are fitted piecewise linearly through the measured sizes (continued
+// past the ends); the chain's bytes calibrate the blocks'.
 //
 // Time: the plain chain's forward + backward is measured at half the batch and at the quarter,
 // three runs of each as in a step (adding into gradients, as a step's later micro-batches do;
@@ -70,10 +73,13 @@ struct TimingReference {
   ChainSeconds point;
 };
 
-// What one precision costs: the blocks at two sizes, and the whole plain chain's time.
+// What one precision costs: the blocks at two or three sizes, and the whole plain chain's time.
 struct PrecisionProfile {
   Precision precision = Precision::kFP32;
   ChainProfile small, large;
+  // The blocks at one sample, where small is more (micro_batch 0: not measured, or the model
+  // cannot train on one sample, as BatchNorm on a 1x1 map): bytes only, below small.
+  ChainProfile one_sample;
   double calibration = 1.0;            // measured / modelled bytes of the plain chain
   // By micro-batch, ascending (a GPU's whole batch estimated); empty: not timed yet (guessed
   // from the blocks, see above). At least one precision of a profile is timed.
@@ -97,7 +103,7 @@ struct WorkloadProfile {
 WorkloadProfile profile_workload(Workload& workload, const Batch& batch, const std::vector<Precision>& precisions,
                                  MemoryTracker& tracker);
 
-// One precision's blocks at a quarter and a half of `batch` (its chain not timed): what
+// One precision's blocks at a quarter and a half of `batch`, and one sample (its chain not timed): what
 // profile_workload does per precision, for a precision added later (a rank whose probe dropped
 // a precision that rank 0's plan runs).
 PrecisionProfile profile_precision(Workload& workload, const Batch& batch, Precision precision, MemoryTracker& tracker);
@@ -118,8 +124,8 @@ std::vector<double> time_plain_chain(Workload& workload, const Batch& batch, Pre
                                      const std::vector<int64_t>& sizes, const TimingReference& reference,
                                      MemoryTracker& tracker);
 
-// The blocks' costs at micro-batch m: bytes fitted linearly between the two profiled sizes and
-// calibrated, seconds fitted (not below the smaller size's); no fixed bytes, seconds not yet
+// The blocks' costs at micro-batch m: bytes fitted linearly between the two profiled sizes
+// around m (below the smaller: one sample and it, where measured) and calibrated, seconds fitted (not below the smaller size's); no fixed bytes, seconds not yet
 // scaled to the whole chain's (the planner does both).
 ChainCosts block_costs_at(const PrecisionProfile& profile, int64_t m);
 

@@ -4,10 +4,11 @@
 // A schedule cuts the chain into units: a plain block (all its activations kept for backward),
 // a checkpointed segment [first, last] (only the segment's input kept; the segment is run
 // again, keeping everything, when backward reaches it), or, where the costs allow it, an
-// offloaded block (its activations kept on the host, copied there in its forward and back before
-// its backward: the time of two copies instead of a recompute). Among all schedules whose modelled peak
-// fits the limit, the DP finds one with the least recompute time. State: (next block, bytes
-// held by the blocks before it, in slots); transitions: the next unit. Pure arithmetic: the
+// offloaded block (its activations kept on the host, copied there in its forward and back while
+// the unit after it runs its backward, prefetched: the time of two copies instead of a
+// recompute, the overlap not counted). Among all schedules whose modelled peak fits the limit,
+// the DP finds one with the least recompute time. State: (next block, bytes held by the blocks
+// before it, in slots, whether the block before it is offloaded); transitions: the next unit. Pure arithmetic: the
 // numbers come from profiling (planner.h).
 #pragma once
 

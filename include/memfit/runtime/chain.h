@@ -19,6 +19,7 @@
 #include <utility>
 #include <vector>
 
+#include "memfit/techniques/activation_offload.h"
 #include "memfit/techniques/checkpoint.h"
 
 namespace memfit {
@@ -121,7 +122,10 @@ class Chain : public torch::nn::Module {
   at::Tensor run_through_runner(const at::Tensor& input);
   at::Tensor own_input(const at::Tensor& input) const;
   // Blocks [first, last] as run_blocks runs them, the `offloaded` ones through run_offloaded.
-  at::Tensor run_plain(const at::Tensor& input, int first, int last, const std::vector<int>& offloaded);
+  // `waiting`: the last offloaded block's activations, prefetched when backward reaches the
+  // output of the block after it (then the last offloaded block's here, or null).
+  at::Tensor run_plain(const at::Tensor& input, int first, int last, const std::vector<int>& offloaded,
+                       std::shared_ptr<OffloadedActivations>& waiting);
 
   std::vector<Block> blocks_;
   std::vector<InputWrites> input_writes_;  // by block, learned as blocks run
