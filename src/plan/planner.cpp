@@ -104,12 +104,17 @@ std::vector<const OptimizerCost*> Planner::optimizer_candidates() const {
   return out;
 }
 
-int64_t Planner::host_peak(const OptimizerCost& optimizer, int64_t activations) const {
-  if (!optimizer.on_host) return activations;
-  // fp32 masters of the weights, every gradient summed there, the state: through the step (with
-  // its temporaries) and through every micro-batch's backward (with its activations).
-  const int64_t held = profile_.weight_bytes + profile_.weight_bytes + optimizer.state_bytes;
-  return held + std::max(optimizer.step_bytes, activations);
+int64_t Planner::host_peak(const OptimizerCost& optimizer, int64_t passes) const {
+  if (!optimizer.on_host) return passes;
+  // fp32 masters of the weights and the state all along; every gradient in the step.
+  const int64_t held = profile_.weight_bytes + optimizer.state_bytes;
+  return held + std::max(profile_.weight_bytes + optimizer.step_bytes, passes);
+}
+
+int64_t Planner::passes_on_host(const OptimizerCost& optimizer, int64_t m, const Schedule& schedule) const {
+  if (!optimizer.on_host) return schedule.host_bytes;
+  const bool gradients_stay = m < profile_.batch || !request_.step.set_to_none;
+  return gradients_stay ? schedule.host_bytes + profile_.weight_bytes : schedule.host_first_pass_bytes;
 }
 
 double Planner::offload_seconds(int64_t m, const OptimizerCost& optimizer) const {
@@ -269,9 +274,9 @@ ChainCosts Planner::costs_at(int64_t m, const PrecisionProfile& p, const Optimiz
   c.gradients_present = !optimizer.on_host && (m < profile_.batch || !request_.step.set_to_none);
   c.segment_overhead_bytes = profile_.segment_overhead_bytes;
   c.non_reentrant = profile_.non_reentrant_checkpoint;
-  // Not under autocast yet: there a block's graph keeps weight copies made before it runs (the
-  // cast cache), which stay on the device, and the model does not count them apart.
-  c.activation_offload = request_.activation_offload && request_.gathered_blocks.empty() && p.precision == Precision::kFP32;
+  // Under autocast a block's graph keeps weight copies made before it runs (the cast cache):
+  // they stay on the device (Model::stays in schedule.cpp). Not at ZeRO 3, which gathers weights.
+  c.activation_offload = request_.activation_offload && request_.gathered_blocks.empty();
   c.copy_bytes_per_second = request_.host_copy_bytes_per_second;
   if (!request_.gathered_blocks.empty()) add_gathered_blocks(c, prefetch_depth);
   return c;
@@ -406,7 +411,7 @@ Plan Planner::evaluate(int64_t m, Precision precision, const CheckpointPlan& che
   const Schedule s = evaluate_schedule(costs_at(m, pp, optimizer, prefetch_depth), checkpoint.segments,
                                        offload.activation_blocks);
   p.predicted_peak = std::max(s.peak_bytes, optimizer_peak(optimizer));
-  p.predicted_host_peak = host_peak(optimizer, s.host_bytes);
+  p.predicted_host_peak = host_peak(optimizer, passes_on_host(optimizer, m, s));
   p.predicted_seconds = step_seconds(m, pp, s, optimizer);
   const auto usable = usable_bytes(budget);
   p.feasible = p.predicted_peak <= usable && fits_host(optimizer);
@@ -484,7 +489,8 @@ Plan Planner::best_plan_at(int64_t m, const PrecisionProfile& pp, const Optimize
                      : costs.activation_offload ? solve_schedule(costs, usable, 0, &request_.checkpoint->segments)
                                                 : evaluate_schedule(costs, request_.checkpoint->segments);
   if (!s.feasible || s.peak_bytes > usable) return p;
-  if (request_.host_budget_bytes > 0 && host_peak(optimizer, s.host_bytes) > request_.host_budget_bytes) return p;
+  const int64_t host = host_peak(optimizer, passes_on_host(optimizer, m, s));
+  if (request_.host_budget_bytes > 0 && host > request_.host_budget_bytes) return p;
   p.feasible = true;
   p.config.micro_batch = m;
   p.config.checkpoint.segments = s.segments;
@@ -492,7 +498,7 @@ Plan Planner::best_plan_at(int64_t m, const PrecisionProfile& pp, const Optimize
   p.config.offload.optimizer = optimizer.on_host;
   p.config.offload.activation_blocks = s.offloaded;
   p.predicted_peak = std::max(s.peak_bytes, optimizer_peak(optimizer));
-  p.predicted_host_peak = host_peak(optimizer, s.host_bytes);
+  p.predicted_host_peak = host;
   p.predicted_seconds = step_seconds(m, pp, s, optimizer);
   return p;
 }

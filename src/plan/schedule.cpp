@@ -160,6 +160,19 @@ struct Model {
     for (const auto& blk : c.blocks) s += blk.forward_seconds + blk.backward_seconds;
     return s;
   }
+  // Schedule::host_first_pass_bytes, given each block's host bytes. An offloaded block's host
+  // copy goes when its own backward starts (prefetched, it is kept until then).
+  int64_t host_first_pass(const std::vector<int64_t>& host_by_block) const {
+    int64_t activations = 0;
+    for (int64_t h : host_by_block) activations += h;
+    int64_t peak = activations, gradients = 0;
+    for (int k = static_cast<int>(host_by_block.size()) - 1; k >= 0; --k) {
+      activations -= host_by_block[static_cast<size_t>(k)];
+      if (c.gradients_streamed) gradients += b(k).param_bytes;
+      peak = std::max(peak, activations + gradients);
+    }
+    return peak;
+  }
   // End of forward: everything held, the last output's fate, and the loss's own bytes.
   int64_t end_of_forward(int64_t held_total, int last_block) const {
     return c.fixed_bytes + held_total + pending(last_block, false) + c.loss_bytes;
@@ -202,17 +215,20 @@ Schedule evaluate_schedule(const ChainCosts& costs, const std::vector<std::pair<
   int64_t held = 0;
   int prev_last = -1;
   bool prev_offloaded = false;
+  std::vector<int64_t> host_by_block(static_cast<size_t>(n), 0);
   for (const Unit& u : units_of(n, segments, offloaded)) {
     held += m.pending(prev_last, u.checkpointed);
     s.peak_bytes = std::max(s.peak_bytes, m.peak(u, held, m.prefetched_before(u, prev_offloaded)));
     held += m.held(u);
     prev_offloaded = u.offloaded;
     s.host_bytes += m.host(u);
+    host_by_block[static_cast<size_t>(u.first)] += m.host(u);
     s.recompute_seconds += m.recompute_seconds(u);
     s.copy_seconds += m.copy_seconds(u);
     prev_last = u.last;
   }
   s.peak_bytes = std::max(s.peak_bytes, m.end_of_forward(held, prev_last));
+  s.host_first_pass_bytes = m.host_first_pass(host_by_block);
   s.seconds = m.base_seconds() + s.recompute_seconds + s.copy_seconds;
   s.feasible = true;
   return s;

@@ -164,9 +164,14 @@ class Planner {
   // The optimizer's state precisions at one placement (the spec's first), or at every one.
   std::vector<const OptimizerCost*> optimizer_candidates(bool on_host) const;
   std::vector<const OptimizerCost*> optimizer_candidates() const;
-  // Host bytes at their peak (offloaded: the optimizer's masters, gradients, state and step
-  // temporaries; the activations of a micro-batch, `activations`).
-  int64_t host_peak(const OptimizerCost& optimizer, int64_t activations) const;
+  // Host bytes at their peak: the optimizer's, offloaded (fp32 masters and state, with the
+  // gradients and the step's temporaries through the step), and what a micro-batch's passes
+  // hold there (`passes`: passes_on_host).
+  int64_t host_peak(const OptimizerCost& optimizer, int64_t passes) const;
+  // The host's peak during micro-batch passes of size m under `schedule`: its offloaded
+  // activations, and, the optimizer offloaded, the gradients there (all of them where they
+  // stay from an earlier micro-batch or step, else those streamed so far).
+  int64_t passes_on_host(const OptimizerCost& optimizer, int64_t m, const Schedule& schedule) const;
   // Seconds the host <-> device copies add to a step at micro-batch m.
   double offload_seconds(int64_t m, const OptimizerCost& optimizer) const;
   bool fits_host(const OptimizerCost& optimizer) const;

@@ -84,6 +84,10 @@ struct Schedule {
   bool feasible = false;
   int64_t peak_bytes = 0;            // modelled
   int64_t host_bytes = 0;            // the offloaded activations, all on the host at the end of forward
+  // The host's peak in a pass that starts without gradients where they are streamed there
+  // (ChainCosts::gradients_streamed): the activations not yet back, and the gradients of the
+  // blocks whose backward has run (each block's counted from its backward's start).
+  int64_t host_first_pass_bytes = 0;
   double seconds = 0;                // modelled forward + backward + recompute + copies
   double recompute_seconds = 0;
   double copy_seconds = 0;
