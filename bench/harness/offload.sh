@@ -1,11 +1,11 @@
 #!/usr/bin/env bash
-# Offload on the default GPT (fp32): device and host bytes, measured and predicted, and the step
+# Offload on the default GPT (fp32, and bf16 autocast for activations): device and host bytes, measured and predicted, and the step
 # time against the same configuration without offload, in alternating rounds.
 #   optimizer: `--offload optimizer` at 0.6x the device-only floor (weights + gradients + state +
 #              the least activations);
 #   auto:      `--offload auto` at the same budget (the plan may offload activations too);
 #   activations: `--offload activations` at 0.5x the plain step's peak, the whole batch in one
-#              micro-batch.
+#              micro-batch; activations-bf16: the same under bf16 autocast (its own plain peak).
 # Each first runs once to plan; then its rounds pin that plan's micro-batch and recomputed blocks,
 # and its twin runs them without offload (the losses must be equal bit for bit).
 # On a CPU-only machine host and device share RAM: the copies are memcpys, and the plan models
@@ -20,13 +20,17 @@ here=$(cd "$(dirname "$0")" && pwd)
 source "$here/quiet_env.sh"
 dir=$(mktemp -d)
 trap 'rm -rf "$dir"' EXIT
-common=(--precision fp32 --no-progress --eval-every 0 --report "" --steps "$steps" --profile-cache "$dir/cache")
+common=(--no-progress --eval-every 0 --report "" --steps "$steps" --profile-cache "$dir/cache")
 echo "command: bash bench/harness/offload.sh $memfit_arg $rounds $steps"
-echo "default GPT, fp32, $steps steps a run (the first 2 left out), $rounds round(s); $(nproc) cores; load $(cut -d' ' -f1-3 /proc/loadavg)"
+echo "default GPT, $steps steps a run (the first 2 left out), $rounds round(s); $(nproc) cores; load $(cut -d' ' -f1-3 /proc/loadavg)"
 "$memfit" plan --budget 4GiB --no-verify --precision fp32 --profile-cache "$dir/cache" > "$dir/plan.out"
 floor=$(sed -n 's/.*smallest budget (floor) .* \([0-9]*\) B$/\1/p' "$dir/plan.out")
 plain=$(sed -n 's/.*plain step, predicted peak .* \([0-9]*\) B$/\1/p' "$dir/plan.out")
-variants=("optimizer:$((floor * 6 / 10)):optimizer:" "auto:$((floor * 6 / 10)):auto:" "activations:$((plain / 2)):activations:16")
+"$memfit" plan --budget 4GiB --no-verify --precision bf16 --profile-cache "$dir/cache" > "$dir/plan-bf16.out"
+plain_bf16=$(sed -n 's/.*plain step, predicted peak .* \([0-9]*\) B$/\1/p' "$dir/plan-bf16.out")
+# name:budget:offload:micro-batch (empty: planned):precision
+variants=("optimizer:$((floor * 6 / 10)):optimizer::fp32" "auto:$((floor * 6 / 10)):auto::fp32"
+          "activations:$((plain / 2)):activations:16:fp32" "activations-bf16:$((plain_bf16 / 2)):activations:16:bf16")
 pinned() {  # the micro-batch and recomputed blocks of a run's plan, as flags
   /usr/bin/python3 - "$1" <<'PY'
 import json, sys
@@ -36,18 +40,18 @@ print(f"--micro-batch {s['micro_batch']} --checkpoint {blocks}")
 PY
 }
 for v in "${variants[@]}"; do
-  IFS=: read -r name budget mode micro <<< "$v"
-  "$memfit" train "${common[@]}" --budget "$budget" --offload "$mode" ${micro:+--micro-batch $micro} \
+  IFS=: read -r name budget mode micro precision <<< "$v"
+  "$memfit" train "${common[@]}" --precision "$precision" --budget "$budget" --offload "$mode" ${micro:+--micro-batch $micro} \
     --json-log "$dir/$name.plan.jsonl" > "$dir/$name.plan.out" 2>&1 || { echo "$name: $(tail -3 "$dir/$name.plan.out")"; exit 1; }
   pinned "$dir/$name.plan.jsonl" > "$dir/$name.flags"
 done
 for ((r = 1; r <= rounds; r++)); do
   for v in "${variants[@]}"; do
-    IFS=: read -r name budget mode micro <<< "$v"
+    IFS=: read -r name budget mode micro precision <<< "$v"
     read -r -a flags < "$dir/$name.flags"
-    "$memfit" train "${common[@]}" "${flags[@]}" --budget "$budget" --offload "$mode" --json-log "$dir/$name.r$r.jsonl" \
+    "$memfit" train "${common[@]}" --precision "$precision" "${flags[@]}" --budget "$budget" --offload "$mode" --json-log "$dir/$name.r$r.jsonl" \
       > "$dir/$name.r$r.out" 2>&1 || { echo "$name round $r failed: $(tail -3 "$dir/$name.r$r.out")"; exit 1; }
-    "$memfit" train "${common[@]}" "${flags[@]}" --budget 4GiB --json-log "$dir/$name.twin.r$r.jsonl" \
+    "$memfit" train "${common[@]}" --precision "$precision" "${flags[@]}" --budget 4GiB --json-log "$dir/$name.twin.r$r.jsonl" \
       > "$dir/$name.twin.r$r.out" 2>&1 || { echo "$name twin round $r failed"; exit 1; }
   done
 done
@@ -63,7 +67,7 @@ print("| run | budget B | plan | device peak B: measured / predicted | host peak
       "| step time / no offload, measured (memcpy) | per round | predicted (copies modelled at memcpy speed) | losses |")
 print("|---|---:|---|---|---|---:|---|---:|---|")
 for v in variants:
-    name, budget, mode, micro = v.split(":")
+    name, budget, mode, micro, precision = v.split(":")
     s = summary(f"{d}/{name}.plan.jsonl")
     p, c = s["plan"], s["plan"]["config"]
     what = ", ".join((["optimizer"] if c["offload"]["optimizer"] else []) +
