@@ -452,7 +452,7 @@ TEST(PlanSearchTest, Zero3CountsShardsAndOneGatheredBlockAtATime) {
     b.forward_peak += 40000;
     b.forward_nograd_peak += 40000;
     b.backward_peak += 40000;
-    b.backward_peak_accumulating += 40000;
+    b.backward_peak_accumulating = b.backward_peak;  // full gradients made afresh each micro-batch
     b.param_bytes = 20000;
   }
   const int64_t optimizer_peak = 4 * 20000 + 4 * 20000 + 2 * 4 * 20000 + 20000 + 8 * 100;

@@ -343,7 +343,9 @@ void Planner::add_gathered_blocks(ChainCosts& c, int prefetch_depth) const {
     b.forward_nograd_peak += g.full + ahead[k].first;
     b.forward_peak += g.full + ahead[k].second;
     b.backward_peak += g.full + ahead[k].second;
-    b.backward_peak_accumulating += g.full + ahead[k].second;
+    // Its full gradients are made afresh in every micro-batch (only the shards' sums stay), as
+    // in a step's first: never added into.
+    b.backward_peak_accumulating = b.backward_peak;
     b.param_bytes = g.shard;
     b.cast_bytes = 0;
   }

@@ -168,27 +168,25 @@ void ZeroSharded::release(BlockShard& b) {
 // process accumulates the ranks' micro-batches, so the sums are bit-equal to single-process
 // training for any world size (Gloo's reduce sums in an order of its own; it has no
 // reduce_scatter). c10d point-to-point sends, one range at a time on every rank.
+at::Tensor ZeroSharded::flat_gradients(const BlockShard& b, std::vector<at::Tensor> full_grads) const {
+  at::Tensor flat = at::zeros({world_size() * b.shard_numel}, b.shard.options());
+  for (size_t i = 0; i < b.params.size(); ++i) {
+    if (!full_grads[i].defined()) continue;  // no gradient: zeros take part
+    flat.narrow(0, b.offsets[i], full_grads[i].numel()).copy_(full_grads[i].reshape({-1}));
+    full_grads[i] = at::Tensor();
+  }
+  return flat;
+}
+
 at::Tensor ZeroSharded::reduce_to_shard(BlockShard& b, std::vector<at::Tensor> full_grads) {
   at::NoGradGuard no_grad;
   const int64_t s = b.shard_numel;
-  std::vector<at::Tensor> flat_grads;
-  for (size_t i = 0; i < b.params.size(); ++i) {
-    const at::Tensor& g = full_grads[i];
-    const int64_t numel = c10::multiply_integers(b.shapes[i]);
-    flat_grads.push_back(g.defined() ? g.reshape({-1}) : at::zeros({numel}, b.shard.options()));  // all take part
-  }
-  full_grads.clear();
-  at::Tensor shard_grad = at::zeros({s}, b.shard.options());  // the padding's gradient stays zero
-  // Piece by piece (a piece: the part of one parameter's gradient inside a range), so that
-  // nothing beyond one piece is allocated.
+  const at::Tensor flat = flat_gradients(b, std::move(full_grads));
+  // Range by range: one chain of messages per owner; only the running sum is allocated.
+  at::Tensor shard_grad;
   for (int r = 0; r < world_size(); ++r) {
-    for (size_t i = 0; i < b.params.size(); ++i) {
-      const int64_t lo = std::max(b.offsets[i], r * s);
-      const int64_t hi = std::min(b.offsets[i] + flat_grads[i].numel(), (r + 1) * s);
-      if (lo >= hi) continue;
-      const at::Tensor sum = sum_in_rank_order(flat_grads[i].narrow(0, lo - b.offsets[i], hi - lo), r);
-      if (rank() == r) shard_grad.narrow(0, lo - r * s, hi - lo).copy_(sum);
-    }
+    at::Tensor sum = sum_in_rank_order(flat.narrow(0, r * s, s), r);
+    if (rank() == r) shard_grad = sum.clone();  // (the owner's sum may be a view of the flat gradients)
   }
   return shard_grad;
 }
@@ -228,29 +226,19 @@ void ZeroSharded::start_reduction(int k, std::vector<at::Tensor> full_grads) {
   const int64_t s = b.shard_numel;
   Reduction r;
   r.shard = k;
-  for (size_t i = 0; i < b.params.size(); ++i) {
-    const at::Tensor& g = full_grads[i];
-    const int64_t numel = c10::multiply_integers(b.shapes[i]);
-    r.flat_grads.push_back(g.defined() ? g.reshape({-1}).contiguous() : at::zeros({numel}, b.shard.options()));
-  }
-  full_grads.clear();
-  r.pieces = at::zeros({world_size(), s}, b.shard.options());  // the padding's gradient stays zero
+  r.flat_grads = flat_gradients(b, std::move(full_grads));
+  r.pieces = at::empty({world_size(), s}, b.shard.options());
   r.pending = std::make_unique<PendingCollectives>(group(), "sending a block's gradients to their owners (ZeRO 3)");
+  // One message per pair of ranks: each owner's range of the flat layout is contiguous.
   for (int owner = 0; owner < world_size(); ++owner) {
-    for (size_t i = 0; i < b.params.size(); ++i) {
-      const int64_t lo = std::max(b.offsets[i], owner * s);
-      const int64_t hi = std::min(b.offsets[i] + r.flat_grads[i].numel(), (owner + 1) * s);
-      if (lo >= hi) continue;
-      const at::Tensor mine = r.flat_grads[i].narrow(0, lo - b.offsets[i], hi - lo);
-      const int tag = static_cast<int>(i);
-      if (owner != rank()) {
-        r.pending->send(mine, owner, tag);
-        continue;
-      }
-      r.pieces[rank()].narrow(0, lo - owner * s, hi - lo).copy_(mine);
-      for (int from = 0; from < world_size(); ++from) {
-        if (from != rank()) r.pending->receive(r.pieces[from].narrow(0, lo - owner * s, hi - lo), from, tag);
-      }
+    const at::Tensor mine = r.flat_grads.narrow(0, owner * s, s);
+    if (owner != rank()) {
+      r.pending->send(mine, owner, 0);
+      continue;
+    }
+    r.pieces[rank()].copy_(mine);
+    for (int from = 0; from < world_size(); ++from) {
+      if (from != rank()) r.pending->receive(r.pieces[from], from, 0);
     }
   }
   reduction_ = std::move(r);
@@ -262,7 +250,7 @@ void ZeroSharded::finish_reduction() {
   Reduction r = std::move(reduction_);
   reduction_ = Reduction{};
   r.pending->wait();
-  r.flat_grads.clear();
+  r.flat_grads = at::Tensor();
   // ((g0 + g1) + g2) + ...: the chain's order, so the same bits.
   at::Tensor sum = r.pieces[0].clone();
   for (int from = 1; from < world_size(); ++from) sum.add_(r.pieces[from]);

@@ -115,7 +115,7 @@ class ZeroSharded : public Strategy {
   // and the N pieces of this rank's range, one row per rank (this rank's copied in).
   struct Reduction {
     int shard = -1;                      // index into shards_
-    std::vector<at::Tensor> flat_grads;  // per parameter, flat
+    at::Tensor flat_grads;               // [N * s]: the block's flat layout, padded (flat_gradients)
     at::Tensor pieces;                   // [N, s]
     std::unique_ptr<PendingCollectives> pending;
   };
@@ -136,6 +136,9 @@ class ZeroSharded : public Strategy {
   BlockState gather_state_to_rank0(BlockShard& b, torch::optim::Optimizer& sharded, const char* what);
   void keep_own_state(BlockShard& b, const BlockState& state, torch::optim::Optimizer& sharded, const OptimizerSpec& spec);
   void release(BlockShard& b);
+  // The block's full gradients in its flat layout, padded to N ranges of s (zeros where a
+  // parameter got none), each range one message; each parameter's gradient freed once copied.
+  at::Tensor flat_gradients(const BlockShard& b, std::vector<at::Tensor> full_grads) const;
   at::Tensor reduce_to_shard(BlockShard& b, std::vector<at::Tensor> full_grads);
   at::Tensor sum_in_rank_order(at::Tensor mine, int owner);
   // Prefetch depth >= 1: block k's reduction started (the previous one finished first), and
