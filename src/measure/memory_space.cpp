@@ -75,14 +75,31 @@ CopyToDevice::CopyToDevice(const at::Tensor& host, const c10::Device& device) : 
     DeviceSpaceGuard on_device;
     p.device = at::empty_like(host, at::MemoryFormat::Preserve);
   }
-  auto promise = std::make_shared<std::promise<void>>();
-  p.done = promise->get_future();
-  at::launch([promise, from = host, to = p.device]() mutable {
+  // The task's references live in one shared job, dropped before the caller is told: at::launch
+  // keeps copies of the task until its thread is done with it, and the caller's references must
+  // be the last, so that the memory is freed on the caller's thread, where its MemoryTracker
+  // counts the free.
+  struct Job {
+    at::Tensor from, to;
+    std::promise<void> done;
+  };
+  auto job = std::make_shared<Job>();
+  job->from = host;
+  job->to = p.device;
+  p.done = job->done.get_future();
+  at::launch([job] {
+    std::exception_ptr error;
     try {
-      to.copy_(from);
-      promise->set_value();
+      job->to.copy_(job->from);
     } catch (...) {
-      promise->set_exception(std::current_exception());
+      error = std::current_exception();
+    }
+    job->from = at::Tensor();
+    job->to = at::Tensor();
+    if (error) {
+      job->done.set_exception(error);
+    } else {
+      job->done.set_value();
     }
   });
 }
