@@ -52,28 +52,30 @@ struct CopyToDevice::Pending {
 #endif
 };
 
-CopyToDevice::CopyToDevice(const at::Tensor& host, const c10::Device& device) : pending_(std::make_unique<Pending>()) {
-  Pending& p = *pending_;
-  p.host = host;
+namespace {
+
 #if MEMFIT_WITH_CUDA
-  if (device.is_cuda()) {
-    const c10::cuda::CUDAStream compute = c10::cuda::getCurrentCUDAStream(device.index());
-    const c10::cuda::CUDAStream side = c10::cuda::getStreamFromPool(false, device.index());
-    p.device = at::empty(host.sizes(), host.options().device(device));  // on the compute stream
-    p.device.record_stream(side);  // not reused before the side stream is done with it
-    at::cuda::CUDAEvent made;
-    made.record(compute);
-    made.block(side);
-    c10::cuda::CUDAStreamGuard on_side(side);
-    p.device.copy_(host, /*non_blocking=*/true);  // pinned host memory: asynchronous
-    p.copied = std::make_unique<at::cuda::CUDAEvent>();
-    p.copied->record(side);
-    return;
-  }
+// The copy on a side stream, after what the compute stream has queued; `copied` marks its end.
+void start_on_side_stream(CopyToDevice::Pending& p, const c10::Device& device) {
+  const c10::cuda::CUDAStream compute = c10::cuda::getCurrentCUDAStream(device.index());
+  const c10::cuda::CUDAStream side = c10::cuda::getStreamFromPool(false, device.index());
+  p.device = at::empty(p.host.sizes(), p.host.options().device(device));  // on the compute stream
+  p.device.record_stream(side);  // not reused before the side stream is done with it
+  at::cuda::CUDAEvent made;
+  made.record(compute);
+  made.block(side);
+  c10::cuda::CUDAStreamGuard on_side(side);
+  p.device.copy_(p.host, /*non_blocking=*/true);  // pinned host memory: asynchronous
+  p.copied = std::make_unique<at::cuda::CUDAEvent>();
+  p.copied->record(side);
+}
 #endif
+
+// The copy (a memcpy) on one of LibTorch's inter-op threads; `done` marks its end.
+void start_on_inter_op_thread(CopyToDevice::Pending& p) {
   {
     DeviceSpaceGuard on_device;
-    p.device = at::empty_like(host, at::MemoryFormat::Preserve);
+    p.device = at::empty_like(p.host, at::MemoryFormat::Preserve);
   }
   // The task's references live in one shared job, dropped before the caller is told: at::launch
   // keeps copies of the task until its thread is done with it, and the caller's references must
@@ -84,7 +86,7 @@ CopyToDevice::CopyToDevice(const at::Tensor& host, const c10::Device& device) : 
     std::promise<void> done;
   };
   auto job = std::make_shared<Job>();
-  job->from = host;
+  job->from = p.host;
   job->to = p.device;
   p.done = job->done.get_future();
   at::launch([job] {
@@ -102,6 +104,19 @@ CopyToDevice::CopyToDevice(const at::Tensor& host, const c10::Device& device) : 
       job->done.set_value();
     }
   });
+}
+
+}  // namespace
+
+CopyToDevice::CopyToDevice(const at::Tensor& host, const c10::Device& device) : pending_(std::make_unique<Pending>()) {
+  pending_->host = host;
+#if MEMFIT_WITH_CUDA
+  if (device.is_cuda()) {
+    start_on_side_stream(*pending_, device);
+    return;
+  }
+#endif
+  start_on_inter_op_thread(*pending_);
 }
 
 CopyToDevice::~CopyToDevice() {

@@ -70,8 +70,9 @@ class CopyToDevice {
   // stream waits for the side stream). Rethrows an error of the copy.
   at::Tensor wait();
 
+  struct Pending;  // the tensors and what tells the copy's end (memory_space.cpp)
+
  private:
-  struct Pending;
   std::unique_ptr<Pending> pending_;
 };
 
