@@ -111,10 +111,11 @@ int64_t Planner::host_peak(const OptimizerCost& optimizer, int64_t passes) const
   return held + std::max(profile_.weight_bytes + optimizer.step_bytes, passes);
 }
 
+bool Planner::gradients_stay(int64_t m) const { return m < profile_.batch || !request_.step.set_to_none; }
+
 int64_t Planner::passes_on_host(const OptimizerCost& optimizer, int64_t m, const Schedule& schedule) const {
   if (!optimizer.on_host) return schedule.host_bytes;
-  const bool gradients_stay = m < profile_.batch || !request_.step.set_to_none;
-  return gradients_stay ? schedule.host_bytes + profile_.weight_bytes : schedule.host_first_pass_bytes;
+  return gradients_stay(m) ? schedule.host_bytes + profile_.weight_bytes : schedule.host_first_pass_bytes;
 }
 
 double Planner::offload_seconds(int64_t m, const OptimizerCost& optimizer) const {
@@ -271,7 +272,7 @@ ChainCosts Planner::costs_at(int64_t m, const PrecisionProfile& p, const Optimiz
                   request_.resident_bytes;
   // Offloaded, the gradients leave for the host as backward makes them: none wait on the device.
   c.gradients_streamed = optimizer.on_host;
-  c.gradients_present = !optimizer.on_host && (m < profile_.batch || !request_.step.set_to_none);
+  c.gradients_present = !optimizer.on_host && gradients_stay(m);
   c.segment_overhead_bytes = profile_.segment_overhead_bytes;
   c.non_reentrant = profile_.non_reentrant_checkpoint;
   // Under autocast a block's graph keeps weight copies made before it runs (the cast cache):

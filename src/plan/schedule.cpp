@@ -165,10 +165,11 @@ struct Model {
   int64_t host_first_pass(const std::vector<int64_t>& host_by_block) const {
     int64_t activations = 0;
     for (int64_t h : host_by_block) activations += h;
+    if (!c.gradients_streamed) return activations;  // all of them at the end of forward
     int64_t peak = activations, gradients = 0;
     for (int k = static_cast<int>(host_by_block.size()) - 1; k >= 0; --k) {
       activations -= host_by_block[static_cast<size_t>(k)];
-      if (c.gradients_streamed) gradients += b(k).param_bytes;
+      gradients += b(k).param_bytes;
       peak = std::max(peak, activations + gradients);
     }
     return peak;

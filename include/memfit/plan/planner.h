@@ -172,6 +172,9 @@ class Planner {
   // activations, and, the optimizer offloaded, the gradients there (all of them where they
   // stay from an earlier micro-batch or step, else those streamed so far).
   int64_t passes_on_host(const OptimizerCost& optimizer, int64_t m, const Schedule& schedule) const;
+  // Whether a pass at micro-batch m finds every gradient there already (a later micro-batch of
+  // the step, or gradients kept between steps), on the device or, offloaded, on the host.
+  bool gradients_stay(int64_t m) const;
   // Seconds the host <-> device copies add to a step at micro-batch m.
   double offload_seconds(int64_t m, const OptimizerCost& optimizer) const;
   bool fits_host(const OptimizerCost& optimizer) const;

@@ -103,9 +103,9 @@ struct WorkloadProfile {
 WorkloadProfile profile_workload(Workload& workload, const Batch& batch, const std::vector<Precision>& precisions,
                                  MemoryTracker& tracker);
 
-// One precision's blocks at a quarter and a half of `batch`, and one sample (its chain not timed): what
-// profile_workload does per precision, for a precision added later (a rank whose probe dropped
-// a precision that rank 0's plan runs).
+// One precision's blocks at a quarter and a half of `batch`, and one sample (its chain not
+// timed): what profile_workload does per precision, for a precision added later (a rank whose
+// probe dropped a precision that rank 0's plan runs).
 PrecisionProfile profile_precision(Workload& workload, const Batch& batch, Precision precision, MemoryTracker& tracker);
 
 ChainProfile profile_chain(Workload& workload, const Batch& batch, int64_t micro_batch, Precision precision,
@@ -125,8 +125,9 @@ std::vector<double> time_plain_chain(Workload& workload, const Batch& batch, Pre
                                      MemoryTracker& tracker);
 
 // The blocks' costs at micro-batch m: bytes fitted linearly between the two profiled sizes
-// around m (below the smaller: one sample and it, where measured) and calibrated, seconds fitted (not below the smaller size's); no fixed bytes, seconds not yet
-// scaled to the whole chain's (the planner does both).
+// around m (below the smaller: one sample and it, where measured) and calibrated, seconds
+// fitted (not below the smaller size's); no fixed bytes, seconds not yet scaled to the whole
+// chain's (the planner does both).
 ChainCosts block_costs_at(const PrecisionProfile& profile, int64_t m);
 
 // The blocks' forward + backward seconds, summed (each block timed alone).

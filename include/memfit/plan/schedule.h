@@ -8,8 +8,8 @@
 // the unit after it runs its backward, prefetched: the time of two copies instead of a
 // recompute, the overlap not counted). Among all schedules whose modelled peak fits the limit,
 // the DP finds one with the least recompute time. State: (next block, bytes held by the blocks
-// before it, in slots, whether the block before it is offloaded); transitions: the next unit. Pure arithmetic: the
-// numbers come from profiling (planner.h).
+// before it, in slots, whether the block before it is offloaded); transitions: the next unit.
+// Pure arithmetic: the numbers come from profiling (planner.h).
 #pragma once
 
 #include <cstdint>
