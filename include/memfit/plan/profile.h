@@ -5,9 +5,10 @@
 // calibrates the blocks' bytes; the run warms allocator and caches), then each block alone
 // (its input detached) at a half and a quarter of the batch: forward and backward seconds,
 // output bytes, bytes kept for backward, transient peaks with and without grad, whether the
-// next block keeps its input. Where a quarter is more than one sample, the blocks' bytes are
-// measured at one sample too: some ops keep more at one sample than the line through the
-// larger sizes says (the default GPT's attention: one [1, T, d] copy more a block).
+// next block keeps its input (from a batch of 4 the quarter is at least 2 samples and the half
+// at least 3). Where the quarter is more than one sample, the blocks' bytes are measured at
+// one sample too: some ops keep more at one sample than the line through the larger sizes
+// says (the default GPT's attention: one [1, T, d] copy more a block).
 // Bytes at other sizes are fitted piecewise linearly through the measured sizes (continued
 // past the ends); the chain's bytes calibrate the blocks'.
 //
