@@ -3,6 +3,7 @@
 #include <gtest/gtest.h>
 
 #include <algorithm>
+#include <array>
 #include <functional>
 
 #include "memfit/memfit.h"
@@ -491,6 +492,40 @@ TEST(PlanSearchTest, Zero3PrefetchCountsTheBlocksInFlight) {
                                          planner.evaluate(4, Precision::kFP32, CheckpointPlan::all(4)).predicted_peak))
         << "depth " << depth;
   }
+}
+
+// With the whole batch in one micro-batch, the gradient of the shard whose reduction is in
+// flight is made only after the running block's recompute and backward: not there yet, unlike
+// in a later micro-batch (where the shard's gradient from the first one is).
+TEST(PlanSearchTest, Zero3OneMicroBatchCountsNoShardGradientForTheReductionInFlight) {
+  PlanRequest r = hand_request();
+  r.checkpoint = CheckpointPlan::all(4);
+  r.gathered_blocks = {{40000, 20000, 40000}, {0, 0, 0}, {80000, 40000, 80000}, {120000, 60000, 120000}};
+  r.gradient_bytes = 120000;
+  const Planner planner(hand_workload(), r);
+  const ChainCosts none = planner.costs_at(8);
+  ASSERT_FALSE(none.gradients_present);
+  // Per block at depth 1: bytes in flight in forward and in backward, and the shard gradient
+  // of the block whose reduction is in flight (the first with parameters after it).
+  const std::vector<std::array<int64_t, 3>> depth1 = {
+      {80000, 160000, 40000}, {80000, 200000, 40000}, {120000, 280000, 60000}, {0, 80000, 0}};
+  ChainCosts expected = none, counting_the_shard = none;
+  for (size_t k = 0; k < expected.blocks.size(); ++k) {
+    const auto [forward, backward, shard] = depth1[k];
+    for (ChainCosts* c : {&expected, &counting_the_shard}) {
+      c->blocks[k].forward_nograd_peak += forward;
+      c->blocks[k].forward_peak += backward;
+      c->blocks[k].backward_peak += backward;
+      c->blocks[k].backward_peak_accumulating += backward;
+    }
+    expected.blocks[k].forward_peak -= shard;
+    expected.blocks[k].backward_peak -= shard;
+  }
+  const auto& segments = CheckpointPlan::all(4).segments;
+  const int64_t peak = evaluate_schedule(expected, segments).peak_bytes;
+  ASSERT_LT(peak, evaluate_schedule(counting_the_shard, segments).peak_bytes);  // the case matters here
+  const Plan p = planner.evaluate(8, Precision::kFP32, CheckpointPlan::all(4), int64_t{1} << 40, std::nullopt, 1);
+  EXPECT_EQ(p.predicted_peak, std::max(peak, planner.evaluate(8, Precision::kFP32, CheckpointPlan::all(4)).predicted_peak));
 }
 
 // The plan takes the first depth of the request's list that fits at its micro-batch: the

@@ -297,9 +297,15 @@ namespace {
 // own use. So while any block j runs, the pending ones are those the last gathered block
 // started: in forward the d after the last p_i <= j, in backward the d before the first
 // p_i >= j. In backward, the reduction of the last block done (the first p_i > j) is in
-// flight too: its full gradients and the pieces its owner sums. Returns, per block, the bytes
-// in flight in forward (first) and in backward (second).
-std::vector<std::pair<int64_t, int64_t>> in_flight_bytes(const std::vector<GatheredBlockBytes>& blocks, int depth) {
+// flight too: its full gradients and the pieces its owner sums. Its owner adds the sum into
+// the shard's gradient only when block j's backward is done: in a step's first micro-batch
+// that gradient does not exist yet (the shards' bytes count it from the block's backward on).
+struct InFlight {
+  int64_t forward = 0;        // gathers started ahead
+  int64_t backward = 0;       // gathers started ahead, and the reduction in flight
+  int64_t unsummed_shard = 0; // the in-flight block's shard gradient, not made yet
+};
+std::vector<InFlight> in_flight_bytes(const std::vector<GatheredBlockBytes>& blocks, int depth) {
   std::vector<size_t> with_params;  // p_0, p_1, ...
   for (size_t k = 0; k < blocks.size(); ++k) {
     if (blocks[k].full > 0) with_params.push_back(k);
@@ -312,15 +318,18 @@ std::vector<std::pair<int64_t, int64_t>> in_flight_bytes(const std::vector<Gathe
     }
     return bytes;
   };
-  std::vector<std::pair<int64_t, int64_t>> out(blocks.size());
+  std::vector<InFlight> out(blocks.size());
   if (depth == 0 || with_params.empty()) return out;
   for (size_t j = 0; j < blocks.size(); ++j) {
     const auto last_before = std::upper_bound(with_params.begin(), with_params.end(), j) - with_params.begin() - 1;
     const auto first_after = std::lower_bound(with_params.begin(), with_params.end(), j) - with_params.begin();
-    out[j].first = last_before >= 0 ? ahead(last_before, +1) : 0;
-    out[j].second = first_after < static_cast<ptrdiff_t>(with_params.size()) ? ahead(first_after, -1) : 0;
+    out[j].forward = last_before >= 0 ? ahead(last_before, +1) : 0;
+    out[j].backward = first_after < static_cast<ptrdiff_t>(with_params.size()) ? ahead(first_after, -1) : 0;
     const auto done = std::upper_bound(with_params.begin(), with_params.end(), j);
-    if (done != with_params.end()) out[j].second += blocks[*done].full + blocks[*done].pieces;
+    if (done != with_params.end()) {
+      out[j].backward += blocks[*done].full + blocks[*done].pieces;
+      out[j].unsummed_shard = blocks[*done].shard;
+    }
   }
   return out;
 }
@@ -341,12 +350,18 @@ void Planner::add_gathered_blocks(ChainCosts& c, int prefetch_depth) const {
     const GatheredBlockBytes& g = request_.gathered_blocks[k];
     // Every block is recomputed: its forward runs without grad in the forward pass, with grad
     // (the recompute) in the backward pass.
-    b.forward_nograd_peak += g.full + ahead[k].first;
-    b.forward_peak += g.full + ahead[k].second;
-    b.backward_peak += g.full + ahead[k].second;
+    b.forward_nograd_peak += g.full + ahead[k].forward;
+    b.forward_peak += g.full + ahead[k].backward;
+    b.backward_peak += g.full + ahead[k].backward;
     // Its full gradients are made afresh in every micro-batch (only the shards' sums stay), as
     // in a step's first: never added into.
     b.backward_peak_accumulating = b.backward_peak;
+    // Where the step has one micro-batch, the in-flight block's shard gradient is made only
+    // after this block's recompute and backward (a later micro-batch finds it there).
+    if (!c.gradients_present) {
+      b.forward_peak -= ahead[k].unsummed_shard;
+      b.backward_peak -= ahead[k].unsummed_shard;
+    }
     b.param_bytes = g.shard;
     b.cast_bytes = 0;
   }
