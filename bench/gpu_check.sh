@@ -16,6 +16,13 @@
 #   GPU_CHECK_JOBS=N           compile jobs (default: all cores)
 #   GPU_CHECK_SECONDS=S        the whole check's time limit (default 540)
 #   GPU_CHECK_CTEST=0          skip the test suite (the allocator check alone)
+#   GPU_CHECK_MEMFIT=FILE      a memfit CLI built elsewhere against the same LibTorch (carried to
+#                              the machine): no configure, no build, no test suite; the libraries
+#                              beside FILE and the torch package's lib/ go on LD_LIBRARY_PATH
+#   GPU_CHECK_ZERO3_ROUNDS=N   first, ZeRO 3 against ZeRO 2 on this machine's CPU cores (issue 33:
+#                              bench/harness/zero3_step_time.sh at 2 and 4 ranks, N rounds, half
+#                              the cores computing, the rest free for Gloo's transfers); default 0
+#   GPU_CHECK_ZERO3_MODEL="flags"  that comparison's model (default: a GPT of 4 layers, d=512); ZERO3_VARIANTS is passed on
 #
 # Without CUDA (no nvidia-smi, no torch, or torch.cuda.is_available() false) it still runs its
 # CPU parts (configure, build the CLI, the plan check), then says so in one line starting
@@ -78,18 +85,36 @@ for d in /usr/local/cuda/bin /usr/local/cuda-*/bin; do
 done
 [ -n "$no_cuda" ] && log "no CUDA: $no_cuda (the CPU parts run anyway)"
 
-# 2. Configure and build (against the PyTorch found, when it ships LibTorch's CMake files).
-if [ -f "$build/CMakeCache.txt" ]; then
-  log "reusing the configured build directory $build (Torch_DIR $(grep -m1 '^Torch_DIR' "$build/CMakeCache.txt" | cut -d= -f2))"
-  run "configure" cmake -S "$root" -B "$build" || fail "configure failed (see $results)"
+# 2. Configure and build (against the PyTorch found, when it ships LibTorch's CMake files), or
+# take a CLI built elsewhere.
+if [ -n "${GPU_CHECK_MEMFIT:-}" ]; then
+  memfit=$(realpath "$GPU_CHECK_MEMFIT")
+  # (the CUDA runtime beside the torch package: the one its LibTorch was built with)
+  export LD_LIBRARY_PATH="$(dirname "$memfit")${torch_dir:+:$torch_dir/lib:$torch_dir/../nvidia/cu13/lib}${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
+  log "using the memfit built elsewhere: $memfit ($("$memfit" --version 2>&1 | head -1)); no build, no test suite"
+  GPU_CHECK_CTEST=0
 else
-  run "configure" cmake -S "$root" -B "$build" -DCMAKE_BUILD_TYPE=Release -DMEMFIT_BUILD_BENCH=OFF \
-    ${prefix:+"-DCMAKE_PREFIX_PATH=$prefix"} \
-    || fail "configure failed (see $results)"
+  if [ -f "$build/CMakeCache.txt" ]; then
+    log "reusing the configured build directory $build (Torch_DIR $(grep -m1 '^Torch_DIR' "$build/CMakeCache.txt" | cut -d= -f2))"
+    run "configure" cmake -S "$root" -B "$build" || fail "configure failed (see $results)"
+  else
+    run "configure" cmake -S "$root" -B "$build" -DCMAKE_BUILD_TYPE=Release -DMEMFIT_BUILD_BENCH=OFF \
+      ${prefix:+"-DCMAKE_PREFIX_PATH=$prefix"} \
+      || fail "configure failed (see $results)"
+  fi
+  # The CLI first: the allocator check needs only it; the rest (ctest's) is built after, with the time left.
+  run "build memfit" cmake --build "$build" -j"$jobs" --target memfit_cli || fail "build failed (see $results)"
+  memfit=$build/memfit
 fi
-# The CLI first: the allocator check needs only it; the rest (ctest's) is built after, with the time left.
-run "build memfit" cmake --build "$build" -j"$jobs" --target memfit_cli || fail "build failed (see $results)"
-memfit=$build/memfit
+
+# The built-in GPT's default text is Debian's King James Bible, read once into memfit's cache;
+# where neither is there, the repository's documents stand in for it (any text will do).
+cache=${MEMFIT_CACHE:-${XDG_CACHE_HOME:-$HOME/.cache}/memfit}
+if ! command -v bible > /dev/null && [ ! -f "$cache/kjv.txt" ]; then
+  export MEMFIT_CACHE=$(mktemp -d)
+  cat "$root"/README.md "$root"/ARCHITECTURE.md "$root"/bench/RESULTS.md "$root"/bench/PYTORCH_SIDE.md > "$MEMFIT_CACHE/kjv.txt"
+  log "no King James Bible here: the repository's documents stand in for it ($(wc -c < "$MEMFIT_CACHE/kjv.txt") bytes, in $MEMFIT_CACHE)"
+fi
 
 # 3. CPU: a plan on a tiny GPT, verified by real steps under 60% of its plain peak.
 tiny=(--layers 2 --d-model 64 --heads 4 --seq 32 --batch 8 --threads 2)
@@ -112,13 +137,26 @@ print("plan check: %d x %d, %s, measured peak %d <= budget %d" % (c["micro_batch
   || fail "the verified plan did not hold its budget (see $results)"
 log "-- $(tail -1 "$results")"
 
+# 3b. Issue 33 on this machine's CPU cores (no GPU needed): ZeRO 3 at prefetch depths 0-2 against
+# ZeRO 2, ranks over loopback (Gloo). Each rank computes on cores / ranks / 2 threads, so that the
+# transfers have cores of their own, as a GPU node's do.
+zero3_rc=0
+if [ "${GPU_CHECK_ZERO3_ROUNDS:-0}" -gt 0 ]; then
+  read -r -a zero3_model <<< "${GPU_CHECK_ZERO3_MODEL:---layers 4 --d-model 512 --heads 8 --seq 128 --batch 16 --dropout 0 --micro-batch 4}"
+  for ranks in 2 4; do
+    threads=$(( $(nproc) / ranks / 2 > 0 ? $(nproc) / ranks / 2 : 1 ))
+    run "ZeRO 3 vs ZeRO 2, $ranks ranks" bash "$root/bench/harness/zero3_step_time.sh" "$memfit" "$ranks" \
+      "$GPU_CHECK_ZERO3_ROUNDS" "${zero3_model[@]}" --threads "$threads" || zero3_rc=1
+  done
+fi
+
 if [ -n "$no_cuda" ]; then
   log "gpu_check: NO CUDA ($no_cuda): built and checked on CPU only; nothing measured on a GPU"
   exit 3
 fi
 
 # 4. CUDA: the caching allocator model against the allocator itself, on the card.
-grep -q 'CUDA support: 1' "$results" ||
+[ -n "${GPU_CHECK_MEMFIT:-}" ] || grep -q 'CUDA support: 1' "$results" ||
   log "warning: memfit was configured without CUDA support (its configure line above says which Torch it found)"
 log "$("$memfit" --version)"
 card=$(nvidia-smi --query-gpu=name --format=csv,noheader 2>/dev/null | head -1)
@@ -154,6 +192,6 @@ else
     MEMFIT_TEST_PYTHON=$py run "ctest" ctest --test-dir "$build" --output-on-failure -j"$jobs" --timeout 300
   ctest_rc=$?
 fi
-[ $allocator_rc -eq 0 ] && [ $ctest_rc -eq 0 ] ||
-  fail "allocator check exit $allocator_rc, ctest exit $ctest_rc (see $results)"
+[ $allocator_rc -eq 0 ] && [ $ctest_rc -eq 0 ] && [ $zero3_rc -eq 0 ] ||
+  fail "allocator check exit $allocator_rc, ctest exit $ctest_rc, ZeRO 3 comparison exit $zero3_rc (see $results)"
 log "gpu_check: OK on ${card:-?} (allocator model within 2% or 20 MiB, plans held their budgets; results in $results)"

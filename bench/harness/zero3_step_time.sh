@@ -5,6 +5,7 @@
 # steps left out) over rounds, its ratio to ZeRO 2's, every rank's measured peak against the
 # plan's prediction, and the weights' hash (equal across variants: the same sums).
 #   bench/harness/zero3_step_time.sh build/memfit [RANKS] [ROUNDS] [model flags...]
+#   ZERO3_VARIANTS="2: 3:1 3:2"   a subset of the variants (default: ZeRO 2, ZeRO 3 at depths 0-2)
 # Default model: the GPT of bench/RESULTS.md's ZeRO 3 section, micro-batch 2 (2 per rank's step
 # at 2 ranks).
 set -eu
@@ -20,8 +21,9 @@ source "$here/quiet_env.sh"
 dir=$(mktemp -d)
 trap 'rm -rf "$dir"' EXIT
 common=("${model[@]}" --no-progress --eval-every 0 --report "" --checkpoint all --precision fp32 --budget 512MiB --steps 12)
-variants=("2:" "3:0" "3:1" "3:2")
-echo "command: bash bench/harness/zero3_step_time.sh $memfit_arg $ranks $rounds ${model[*]}"
+# ZERO3_VARIANTS: which to run, "STAGE:DEPTH" each, ZeRO 2 first (the ratios' base).
+read -r -a variants <<< "${ZERO3_VARIANTS:-2: 3:0 3:1 3:2}"
+echo "command: ${ZERO3_VARIANTS:+ZERO3_VARIANTS=\"$ZERO3_VARIANTS\" }bash bench/harness/zero3_step_time.sh $memfit_arg $ranks $rounds ${model[*]}"
 echo "model: ${model[*]}; $ranks ranks; $rounds round(s); $(nproc) cores; load $(cut -d' ' -f1-3 /proc/loadavg)"
 for ((r = 1; r <= rounds; r++)); do
   for v in "${variants[@]}"; do
@@ -33,7 +35,7 @@ for ((r = 1; r <= rounds; r++)); do
       > "$dir/$name.r$r.out" 2>&1 || { echo "$name round $r failed: $(tail -3 "$dir/$name.r$r.out")"; exit 1; }
   done
 done
-/usr/bin/python3 - "$dir" "$rounds" "${variants[@]}" <<'PY'
+"${PYTHON:-python3}" - "$dir" "$rounds" "${variants[@]}" <<'PY'
 import json, re, statistics, sys
 d, rounds, variants = sys.argv[1], int(sys.argv[2]), sys.argv[3:]
 def name(v):
