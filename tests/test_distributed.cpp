@@ -455,20 +455,31 @@ TEST(DistributedTest, Zero3RefusesAParameterSharedByTwoBlocks) {
 }
 
 TEST(DistributedTest, Zero3PredictedStatesArePaddedShardsOfEachBlock) {
-  // Blocks of 10 + 3 and 5 elements over 4 ranks: shards of ceil(13/4) = 4 and ceil(5/4) = 2.
+  // Blocks of 10 + 3 and 5 floats over 4 ranks. The second parameter starts on the next 64-byte
+  // boundary, element 16, so the first block's layout holds 19 elements: shards of ceil(19/4)
+  // = 5 and ceil(5/4) = 2.
   const std::vector<at::Tensor> params{at::zeros({10}), at::zeros({3}), at::zeros({5})};
   const auto ranks = predicted_rank_states(params, 4, 3, 2.0, {0, 0, 1});
   ASSERT_EQ(ranks.size(), 4u);
   for (const auto& r : ranks) {
-    EXPECT_EQ(r.weights, (4 + 2) * 4);
-    EXPECT_EQ(r.gradients, (4 + 2) * 4);
-    EXPECT_EQ(r.optimizer_state, 2 * (4 + 2) * 4);
+    EXPECT_EQ(r.weights, (5 + 2) * 4);
+    EXPECT_EQ(r.gradients, (5 + 2) * 4);
+    EXPECT_EQ(r.optimizer_state, 2 * (5 + 2) * 4);
   }
   const auto blocks = gathered_block_bytes({{params[0], params[1]}, {params[2]}}, 4);
-  EXPECT_EQ(blocks[0].full, 13 * 4);
-  EXPECT_EQ(blocks[0].shard, 4 * 4);
+  EXPECT_EQ(blocks[0].full, 19 * 4);
+  EXPECT_EQ(blocks[0].shard, 5 * 4);
   EXPECT_EQ(blocks[1].shard, 2 * 4);
   EXPECT_THROW(predicted_rank_states(params, 4, 4, 2.0), std::invalid_argument);
+}
+
+TEST(DistributedTest, Zero3FlatLayoutStartsEachParameterOn64Bytes) {
+  // 64 bytes: 16 floats, 32 halves, 8 doubles; a parameter already on a boundary moves nowhere.
+  EXPECT_EQ(flat_layout({at::zeros({10}), at::zeros({3}), at::zeros({16}), at::zeros({1})}).offsets,
+            (std::vector<int64_t>{0, 16, 32, 48}));
+  EXPECT_EQ(flat_layout({at::zeros({5}, at::kHalf), at::zeros({2, 2}, at::kHalf)}).numel, 32 + 4);
+  EXPECT_EQ(flat_layout({at::zeros({1}, at::kDouble), at::zeros({1}, at::kDouble)}).offsets, (std::vector<int64_t>{0, 8}));
+  EXPECT_EQ(flat_layout({}).numel, 0);
 }
 
 }  // namespace

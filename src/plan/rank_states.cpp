@@ -28,14 +28,22 @@ int64_t shard_numel(int64_t numel, int world_size) {
   return (numel + world_size - 1) / world_size;
 }
 
+FlatLayout flat_layout(const std::vector<at::Tensor>& params) {
+  FlatLayout layout;
+  for (const auto& p : params) {
+    const auto step = std::max<int64_t>(1, kFlatAlignmentBytes / static_cast<int64_t>(p.element_size()));
+    const int64_t offset = (layout.numel + step - 1) / step * step;
+    layout.offsets.push_back(offset);
+    layout.numel = offset + p.numel();
+  }
+  return layout;
+}
+
 std::vector<GatheredBlockBytes> gathered_block_bytes(const std::vector<std::vector<at::Tensor>>& blocks, int world_size) {
   std::vector<GatheredBlockBytes> out;
   for (const auto& params : blocks) {
-    int64_t numel = 0, element = 0;
-    for (const auto& p : params) {
-      numel += p.numel();
-      element = static_cast<int64_t>(p.element_size());
-    }
+    const int64_t element = params.empty() ? 0 : static_cast<int64_t>(params.front().element_size());
+    const int64_t numel = flat_layout(params).numel;
     const int64_t shard = shard_numel(numel, world_size) * element;
     out.push_back({numel * element, shard, world_size * shard});
   }

@@ -29,7 +29,7 @@ ZeroSharded::ZeroSharded(std::unique_ptr<ProcessGroup> group, Chain& chain) : St
   for (int i = 0; i < chain_.size(); ++i) {
     if (chain_.block_parameters(i, i).empty()) continue;
     BlockShard b = make_shard(i);
-    total_bytes_ += b.numel * static_cast<int64_t>(b.shard.element_size());
+    for (const auto& p : b.params) total_bytes_ += static_cast<int64_t>(p.nbytes());  // before release empties them
     owned_bytes_ += static_cast<int64_t>(b.shard.nbytes());
     release(b);
     shard_of_block_[static_cast<size_t>(i)] = static_cast<int>(shards_.size());
@@ -47,21 +47,27 @@ ZeroSharded::BlockShard ZeroSharded::make_shard(int i) {
   BlockShard b;
   b.block = i;
   b.params = chain_.block_parameters(i, i);
-  std::vector<at::Tensor> flat_parts;
   for (const auto& p : b.params) {
     check_option(p.scalar_type() == b.params.front().scalar_type() && p.device() == b.params.front().device(), "zero_stage", 3,
                  "the parameters of block " + std::to_string(i) + " (" + chain_.block(i).name +
                      ") must share one dtype and device to be sharded flat");
     check_option(p.requires_grad(), "zero_stage", 3,
                  "every parameter must require grad; block " + std::to_string(i) + " has a frozen one");
-    b.offsets.push_back(b.numel);
     b.shapes.push_back(p.sizes().vec());
-    b.numel += p.numel();
-    flat_parts.push_back(p.detach().reshape({-1}));
   }
+  FlatLayout layout = flat_layout(b.params);
+  b.offsets = std::move(layout.offsets);
+  b.numel = layout.numel;
   b.shard_numel = shard_numel(b.numel, world_size());
-  b.shard = own_range(b, at::cat(flat_parts)).requires_grad_(true);
+  b.shard = own_range(b, laid_out_flat(b, b.params)).requires_grad_(true);
   return b;
+}
+
+// One tensor per parameter (any shape), laid out at the block's offsets; the gaps are zero.
+at::Tensor ZeroSharded::laid_out_flat(const BlockShard& b, const std::vector<at::Tensor>& parts) {
+  at::Tensor flat = at::zeros({b.numel}, parts.front().options().requires_grad(false));
+  for (size_t i = 0; i < parts.size(); ++i) flat.narrow(0, b.offsets[i], parts[i].numel()).copy_(parts[i].detach().reshape({-1}));
+  return flat;
 }
 
 void ZeroSharded::release_after(BlockShard& b, const std::function<void()>& use) {
@@ -350,9 +356,7 @@ void ZeroSharded::for_each_gathered_block_state(torch::optim::Optimizer& sharded
 void ZeroSharded::keep_own_state(BlockShard& b, const BlockState& state, torch::optim::Optimizer& sharded,
                                          const OptimizerSpec& spec) {
   at::NoGradGuard no_grad;
-  std::vector<at::Tensor> flat_parts;
-  for (const auto& p : b.params) flat_parts.push_back(p.detach().reshape({-1}));
-  b.shard.detach().copy_(own_range(b, at::cat(flat_parts)));
+  b.shard.detach().copy_(own_range(b, laid_out_flat(b, b.params)));
   sharded.state().erase(param_state_key(b.shard));
   const bool stepped = !state.empty() && state.front().has_value();
   for (const auto& r : state) {
@@ -369,8 +373,8 @@ void ZeroSharded::keep_own_state(BlockShard& b, const BlockState& state, torch::
       continue;
     }
     std::vector<at::Tensor> parts;
-    for (const auto& r : state) parts.push_back(r->tensors.at(slot).reshape({-1}));
-    mine.tensors.push_back(own_range(b, at::cat(parts)));
+    for (const auto& r : state) parts.push_back(r->tensors.at(slot));
+    mine.tensors.push_back(own_range(b, laid_out_flat(b, parts)));
   }
   sharded.state()[param_state_key(b.shard)] = make_param_state(spec, mine);
 }

@@ -5,8 +5,9 @@
 // Parameters are partitioned in order into contiguous ranges balanced by bytes; a rank steps
 // (and keeps optimizer state for) its own range at stages 1 and 2, and at stage 2 keeps only
 // its range's gradients at the optimizer step. At stage 3 each block's parameters are laid
-// out flat, padded to a multiple of the world size, and every rank keeps an equal piece of
-// each block (weights, gradients and optimizer state): ~1/N of each, per rank.
+// out flat (each parameter from a 64-byte boundary), padded to a multiple of the world size,
+// and every rank keeps an equal piece of each block (weights, gradients and optimizer state):
+// ~1/N of each, per rank.
 #pragma once
 
 #include <ATen/ATen.h>
@@ -24,12 +25,23 @@ std::vector<int> partition_by_bytes(const std::vector<at::Tensor>& parameters, i
 // ZeRO 3: one block's parameter bytes in full (gathered around its forward and backward) and
 // each rank's piece of them.
 struct GatheredBlockBytes {
-  int64_t full = 0;
+  int64_t full = 0;    // the flat layout's bytes (flat_layout: the alignment gaps included)
   int64_t shard = 0;
   int64_t pieces = 0;  // N x shard: its gradients' pieces an owner sums (reduction in flight)
 };
 // Elements per rank of a block of `numel` elements over `world_size` ranks (padded).
 int64_t shard_numel(int64_t numel, int world_size);
+
+// ZeRO 3's flat layout of one block's parameters: each starts on a 64-byte boundary, as a
+// tensor allocated on its own does, because BLAS kernels (MKL's among them) round
+// differently on differently aligned operands: a gathered weight must give the bits the
+// one-process weight gives.
+struct FlatLayout {
+  std::vector<int64_t> offsets;  // each parameter's first element
+  int64_t numel = 0;             // up to the last parameter's end, the gaps included
+};
+constexpr int64_t kFlatAlignmentBytes = 64;
+FlatLayout flat_layout(const std::vector<at::Tensor>& params);
 
 // Bytes of the training state on one rank at the optimizer step.
 struct RankStateBytes {

@@ -100,7 +100,7 @@ class ZeroSharded : public Strategy {
     std::vector<at::Tensor> params;  // the chain's; 0 elements while not gathered
     std::vector<int64_t> offsets;    // each parameter's first element in the flat layout
     std::vector<std::vector<int64_t>> shapes;  // each parameter's shape in full
-    int64_t numel = 0;               // the parameters' elements
+    int64_t numel = 0;               // the flat layout's elements (rank_states.h's flat_layout)
     int64_t shard_numel = 0;         // s: each rank's elements, numel padded to a multiple of N, / N
     at::Tensor shard;                // this rank's s elements: a leaf requiring grad
   };
@@ -131,6 +131,7 @@ class ZeroSharded : public Strategy {
   void gather_in_pass(int k, GatherFor pass);
   void drop_prefetched();  // waits for the gathers started and not used, and frees them
   void set_views(BlockShard& b, const at::Tensor& flat);  // the parameters become views of a flat block
+  static at::Tensor laid_out_flat(const BlockShard& b, const std::vector<at::Tensor>& parts);  // parts at their offsets
   at::Tensor own_range(const BlockShard& b, const at::Tensor& flat) const;  // this rank's s elements of a flat block
   at::Tensor gather_to_rank0(const at::Tensor& piece, int64_t s, const char* what);  // rank 0: all ranks' pieces
   BlockState gather_state_to_rank0(BlockShard& b, torch::optim::Optimizer& sharded, const char* what);
