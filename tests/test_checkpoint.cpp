@@ -91,6 +91,36 @@ TEST(CheckpointTest, InputGradientAndNesting) {
   EXPECT_TRUE(torch::equal(gb, b->weight.grad()));
 }
 
+// Where it is not known whether the block writes into its input, the first pass runs on the
+// caller's tensor itself, as a plain run does (MKL may round differently on a copy, which sits
+// elsewhere in memory), and both kinds of block get the plain run's gradients.
+TEST(CheckpointTest, BlockOfUnknownWritesRunsOnTheCallersTensor) {
+  test::use_memfit_allocator();
+  torch::manual_seed(0);
+  auto linear = torch::nn::Linear(8, 8);
+  const at::Tensor batch = torch::randn({6, 8});
+  for (const bool writes : {false, true}) {
+    std::vector<const void*> seen;  // where the block's input lay, in the forward and the recompute
+    const auto block = [&](const at::Tensor& in) {
+      seen.push_back(in.data_ptr());
+      return torch::tanh(linear(writes ? in.mul_(2.0) : in));
+    };
+    const at::Tensor x = batch.slice(0, 1, 5).clone().requires_grad_(true);  // a leaf: its gradient is checked
+    const at::Tensor input = x * 1.0;  // not a leaf: a leaf requiring grad may not be written into
+    checkpoint(block, input, linear->parameters(), {}, InputWrites::kUnknown).sum().backward();
+    ASSERT_EQ(seen.size(), 2u);
+    EXPECT_EQ(seen[0], input.data_ptr()) << "writes " << writes;
+    EXPECT_EQ(seen[1] == input.data_ptr(), !writes) << "the recompute copies only for a block that writes";
+    const at::Tensor gx = x.grad().clone(), gw = linear->weight.grad().clone();
+    x.mutable_grad().reset();
+    linear->zero_grad();
+    torch::tanh(linear(writes ? (x * 1.0).mul_(2.0) : x * 1.0)).sum().backward();
+    EXPECT_TRUE(torch::equal(gx, x.grad())) << "writes " << writes;
+    EXPECT_TRUE(torch::equal(gw, linear->weight.grad())) << "writes " << writes;
+    linear->zero_grad();
+  }
+}
+
 TEST(CheckpointTest, RestoresTheCallersRandomStream) {
   test::use_memfit_allocator();
   torch::manual_seed(5);

@@ -269,7 +269,7 @@ at::Tensor Chain::forward(const at::Tensor& input, const CheckpointPlan& plan, c
     // The tag is set inside the block function too, so recomputed bytes carry block indices.
     const int f = first, l = last;
     x = checkpoint([this, f, l](const at::Tensor& in) { return run_blocks(in, f, l); }, x,
-                   block_parameters(first, last), block_buffers(first, last), may_write_input(first));
+                   block_parameters(first, last), block_buffers(first, last), input_writes(first));
     prefetch_when_reached(x, std::exchange(waiting, nullptr));
     next = last + 1;
   }

@@ -20,6 +20,32 @@ at::Tensor input_for_block(const at::Tensor& input, bool block_may_write_input) 
   return block_may_write_input ? input.clone() : input;
 }
 
+// The block's first pass (without grad) and the input its recompute starts from: the saved
+// input, which must still hold what the block first read.
+struct FirstPass {
+  at::Tensor output;
+  at::Tensor saved_input;
+  bool block_writes_input = false;
+};
+
+FirstPass run_first_pass(const BlockFn& block, const at::Tensor& input, InputWrites writes) {
+  // An inference tensor has no version counter, and no block may write into it outside
+  // inference mode.
+  if (writes == InputWrites::kUnknown && input.is_inference()) writes = InputWrites::kNo;
+  if (writes != InputWrites::kUnknown) {
+    const bool copy = writes == InputWrites::kYes;
+    return {block(input_for_block(input, copy)), input, copy};
+  }
+  // The block runs on the input itself, as in a plain run: a copy would be aligned otherwise,
+  // and BLAS kernels (MKL's) may round differently on it.
+  at::Tensor before = input_for_block(input, true);
+  const int64_t version = input._version();
+  at::Tensor output = block(input);
+  if (input._version() == version) return {output, input, false};
+  before.requires_grad_(input.requires_grad());  // it stands for the input in the recompute
+  return {output, before, true};
+}
+
 // Where the gradient arriving for a recompute's input is left (RecomputeInput's backward).
 struct InputGradient : torch::CustomClassHolder {
   at::Tensor grad;
@@ -82,7 +108,8 @@ struct CheckpointState : torch::CustomClassHolder {
   AutocastState autocast;
   std::vector<at::Tensor> params;  // the parameters themselves (leaves: no copy is made)
   std::vector<at::Tensor> buffers;  // updated in place by the block (BatchNorm statistics)
-  bool block_may_write_input = false;
+  InputWrites input_writes = InputWrites::kNo;  // as known before the forward
+  bool block_may_write_input = false;           // as the forward found (the recompute copies)
 };
 
 // Puts buffers back, at the end of a scope, to their values at its start: the recompute runs
@@ -109,9 +136,11 @@ class CheckpointFunction : public torch::autograd::Function<CheckpointFunction> 
   static at::Tensor forward(torch::autograd::AutogradContext* ctx, at::Tensor input,
                             at::TensorList params, c10::intrusive_ptr<CheckpointState> state) {
     (void)params;
-    ctx->save_for_backward({input});
+    FirstPass pass = run_first_pass(state->block, input, state->input_writes);
+    ctx->save_for_backward({pass.saved_input});
+    state->block_may_write_input = pass.block_writes_input;
     ctx->saved_data["state"] = c10::IValue::make_capsule(state);
-    return state->block(input_for_block(input, state->block_may_write_input));
+    return pass.output;
   }
 
   static torch::autograd::variable_list backward(torch::autograd::AutogradContext* ctx,
@@ -166,6 +195,7 @@ struct GatheredState : torch::CustomClassHolder {
   AutocastState autocast;
   GatheredParams gathered;
   std::vector<at::Tensor> buffers;
+  InputWrites input_writes = InputWrites::kNo;
   bool block_may_write_input = false;
 };
 
@@ -175,10 +205,12 @@ class GatheredFunction : public torch::autograd::Function<GatheredFunction> {
   static at::Tensor forward(torch::autograd::AutogradContext* ctx, at::Tensor input, at::Tensor shard,
                             c10::intrusive_ptr<GatheredState> state) {
     (void)shard;
-    ctx->save_for_backward({input});
-    ctx->saved_data["state"] = c10::IValue::make_capsule(state);
     GatheredScope gathered(state->gathered, GatherFor::kForward);
-    return state->block(input_for_block(input, state->block_may_write_input));
+    FirstPass pass = run_first_pass(state->block, input, state->input_writes);
+    ctx->save_for_backward({pass.saved_input});
+    state->block_may_write_input = pass.block_writes_input;
+    ctx->saved_data["state"] = c10::IValue::make_capsule(state);
+    return pass.output;
   }
 
   static torch::autograd::variable_list backward(torch::autograd::AutogradContext* ctx,
@@ -216,7 +248,7 @@ class GatheredFunction : public torch::autograd::Function<GatheredFunction> {
 }  // namespace
 
 at::Tensor checkpoint_gathered(BlockFn block, const at::Tensor& input, const at::Tensor& shard, GatheredParams gathered,
-                               std::vector<at::Tensor> buffers, bool block_may_write_input) {
+                               std::vector<at::Tensor> buffers, InputWrites input_writes) {
   if (!at::GradMode::is_enabled()) {
     GatheredScope scope(gathered, GatherFor::kForward);
     return block(input);
@@ -227,12 +259,12 @@ at::Tensor checkpoint_gathered(BlockFn block, const at::Tensor& input, const at:
   state->autocast = AutocastState::capture();
   state->gathered = std::move(gathered);
   state->buffers = std::move(buffers);
-  state->block_may_write_input = block_may_write_input;
+  state->input_writes = input_writes;
   return GatheredFunction::apply(input, shard, state);
 }
 
 at::Tensor checkpoint(BlockFn block, const at::Tensor& input, at::TensorList params, std::vector<at::Tensor> buffers,
-                      bool block_may_write_input) {
+                      InputWrites input_writes) {
   if (!at::GradMode::is_enabled()) return block(input);  // nothing to save in evaluation
 
   auto state = c10::make_intrusive<CheckpointState>();
@@ -241,7 +273,7 @@ at::Tensor checkpoint(BlockFn block, const at::Tensor& input, at::TensorList par
   state->autocast = AutocastState::capture();
   state->params = params.vec();
   state->buffers = std::move(buffers);
-  state->block_may_write_input = block_may_write_input;
+  state->input_writes = input_writes;
   return CheckpointFunction::apply(input, params, state);
 }
 

@@ -280,7 +280,7 @@ at::Tensor ZeroSharded::run_block(int index, const at::Tensor& x, const BlockFn&
     return prefetch_depth_ > 0 ? reduce_in_flight(k, std::move(grads)) : reduce_to_shard(shards_[static_cast<size_t>(k)], std::move(grads));
   };
   return checkpoint_gathered(run, x, shards_[static_cast<size_t>(k)].shard, std::move(g), chain_.block_buffers(index, index),
-                             chain_.may_write_input(index));
+                             chain_.input_writes(index));
 }
 
 std::vector<GatheredBlockBytes> ZeroSharded::block_bytes() const {

@@ -95,6 +95,7 @@ class Chain : public torch::nn::Module {
   // input (the caller's batch) once the block is known to write into it. Between blocks of a
   // plain run it writes into the previous block's output, as in eager PyTorch.
   bool may_write_input(int index) const;
+  InputWrites input_writes(int index) const { return input_writes_.at(static_cast<size_t>(index)); }
   // Runs the chain once, without grad, on a copy of `input` when a block has not run yet, so
   // that may_write_input() is known for every block (`input` is left as it was). Dropout draws
   // and running statistics move as in any forward; callers restore what they need.
@@ -118,7 +119,6 @@ class Chain : public torch::nn::Module {
   at::Tensor run_block(int index, const at::Tensor& x, const char* running = nullptr);
 
  private:
-  enum class InputWrites : int8_t { kUnknown, kNo, kYes };
   at::Tensor run_through_runner(const at::Tensor& input);
   at::Tensor own_input(const at::Tensor& input) const;
   // Blocks [first, last] as run_blocks runs them, the `offloaded` ones through run_offloaded.

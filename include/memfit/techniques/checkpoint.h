@@ -17,12 +17,14 @@
 // - `buffers` (BatchNorm's running statistics and the like) are updated once, by the forward:
 //   the recompute's second update is undone (PyTorch's checkpoint updates them twice).
 // - A block whose first op writes into its input (ReLU(inplace=True), x.add_(...)) works when
-//   `block_may_write_input` says so: the forward and the recompute each run it on a copy of the
-//   saved input (the caller's tensor, left as it was), the recompute's as a tensor of the graph,
+//   `input_writes` says kYes: the forward and the recompute each run it on a copy of the saved
+//   input (the caller's tensor, left as it was), the recompute's as a tensor of the graph,
 //   not a leaf. Gradients equal the plain run's. (PyTorch 1.13's reentrant checkpoint
 //   refuses such a block; its non-reentrant one recomputes on the input the forward already
-//   wrote into: SiLU(inplace=True) then gets wrong gradients.) Without the flag, such a block
-//   writes into the saved input.
+//   wrote into: SiLU(inplace=True) then gets wrong gradients.) With kUnknown the forward runs
+//   on the caller's tensor, as a plain run does (a copy sits elsewhere in memory, and BLAS
+//   kernels may round differently on differently aligned data), keeping a copy for the
+//   recompute in case the block writes into it. With kNo, such a block writes into the saved input.
 // Nested checkpoints work: a checkpointed block may itself checkpoint its parts.
 #pragma once
 
@@ -35,8 +37,11 @@ namespace memfit {
 
 using BlockFn = std::function<at::Tensor(const at::Tensor&)>;
 
+// Whether a block writes into its input: known, or not yet (learned by running it).
+enum class InputWrites : int8_t { kUnknown, kNo, kYes };
+
 at::Tensor checkpoint(BlockFn block, const at::Tensor& input, at::TensorList params, std::vector<at::Tensor> buffers = {},
-                      bool block_may_write_input = false);
+                      InputWrites input_writes = InputWrites::kNo);
 
 // A block whose parameters exist in full only while gathered (ZeRO 3, train/zero_sharded.h):
 // the hooks make `params` hold their full values, free them again, and turn the full
@@ -58,6 +63,6 @@ struct GatheredParams {
 // grad mode the block runs between gather and release. Every process must run the same blocks
 // in the same order: the hooks may be collectives.
 at::Tensor checkpoint_gathered(BlockFn block, const at::Tensor& input, const at::Tensor& shard, GatheredParams gathered,
-                               std::vector<at::Tensor> buffers = {}, bool block_may_write_input = false);
+                               std::vector<at::Tensor> buffers = {}, InputWrites input_writes = InputWrites::kNo);
 
 }  // namespace memfit
