@@ -20,12 +20,13 @@ at::Tensor input_for_block(const at::Tensor& input, bool block_may_write_input) 
   return block_may_write_input ? input.clone() : input;
 }
 
-// The block's first pass (without grad) and the input its recompute starts from: the saved
-// input, which must still hold what the block first read.
+// The block's first pass (without grad), the input its recompute starts from (the saved
+// input, which must still hold what the block first read), and whether the block writes into
+// its input (kYes or kNo: known once it has run).
 struct FirstPass {
   at::Tensor output;
   at::Tensor saved_input;
-  bool block_writes_input = false;
+  InputWrites writes = InputWrites::kNo;
 };
 
 FirstPass run_first_pass(const BlockFn& block, const at::Tensor& input, InputWrites writes) {
@@ -33,17 +34,16 @@ FirstPass run_first_pass(const BlockFn& block, const at::Tensor& input, InputWri
   // inference mode.
   if (writes == InputWrites::kUnknown && input.is_inference()) writes = InputWrites::kNo;
   if (writes != InputWrites::kUnknown) {
-    const bool copy = writes == InputWrites::kYes;
-    return {block(input_for_block(input, copy)), input, copy};
+    return {block(input_for_block(input, writes == InputWrites::kYes)), input, writes};
   }
   // The block runs on the input itself, as in a plain run: a copy would be aligned otherwise,
   // and BLAS kernels (MKL's) may round differently on it.
   at::Tensor before = input_for_block(input, true);
   const int64_t version = input._version();
   at::Tensor output = block(input);
-  if (input._version() == version) return {output, input, false};
+  if (input._version() == version) return {output, input, InputWrites::kNo};
   before.requires_grad_(input.requires_grad());  // it stands for the input in the recompute
-  return {output, before, true};
+  return {output, before, InputWrites::kYes};
 }
 
 // Where the gradient arriving for a recompute's input is left (RecomputeInput's backward).
@@ -108,8 +108,7 @@ struct CheckpointState : torch::CustomClassHolder {
   AutocastState autocast;
   std::vector<at::Tensor> params;  // the parameters themselves (leaves: no copy is made)
   std::vector<at::Tensor> buffers;  // updated in place by the block (BatchNorm statistics)
-  InputWrites input_writes = InputWrites::kNo;  // as known before the forward
-  bool block_may_write_input = false;           // as the forward found (the recompute copies)
+  InputWrites input_writes = InputWrites::kNo;  // the forward turns kUnknown into kYes or kNo
 };
 
 // Puts buffers back, at the end of a scope, to their values at its start: the recompute runs
@@ -138,7 +137,7 @@ class CheckpointFunction : public torch::autograd::Function<CheckpointFunction> 
     (void)params;
     FirstPass pass = run_first_pass(state->block, input, state->input_writes);
     ctx->save_for_backward({pass.saved_input});
-    state->block_may_write_input = pass.block_writes_input;
+    state->input_writes = pass.writes;
     ctx->saved_data["state"] = c10::IValue::make_capsule(state);
     return pass.output;
   }
@@ -152,7 +151,7 @@ class CheckpointFunction : public torch::autograd::Function<CheckpointFunction> 
 
     // Until the recomputed graph is differentiated (BatchNorm's backward reads its statistics).
     BufferGuard buffers(state->buffers);
-    const Recomputed r = recompute_block(input, state->block, state->rng, state->autocast, state->block_may_write_input);
+    const Recomputed r = recompute_block(input, state->block, state->rng, state->autocast, state->input_writes == InputWrites::kYes);
 
     // Differentiate the recomputed graph w.r.t. the input and the parameters. The parameters'
     // gradients go into their .grad as the recomputed graph's backward makes them (as in a plain
@@ -195,8 +194,7 @@ struct GatheredState : torch::CustomClassHolder {
   AutocastState autocast;
   GatheredParams gathered;
   std::vector<at::Tensor> buffers;
-  InputWrites input_writes = InputWrites::kNo;
-  bool block_may_write_input = false;
+  InputWrites input_writes = InputWrites::kNo;  // the forward turns kUnknown into kYes or kNo
 };
 
 class GatheredFunction : public torch::autograd::Function<GatheredFunction> {
@@ -208,7 +206,7 @@ class GatheredFunction : public torch::autograd::Function<GatheredFunction> {
     GatheredScope gathered(state->gathered, GatherFor::kForward);
     FirstPass pass = run_first_pass(state->block, input, state->input_writes);
     ctx->save_for_backward({pass.saved_input});
-    state->block_may_write_input = pass.block_writes_input;
+    state->input_writes = pass.writes;
     ctx->saved_data["state"] = c10::IValue::make_capsule(state);
     return pass.output;
   }
@@ -223,7 +221,7 @@ class GatheredFunction : public torch::autograd::Function<GatheredFunction> {
     {
       GatheredScope gathered(state->gathered, GatherFor::kBackward);
       BufferGuard buffers(state->buffers);
-      const Recomputed r = recompute_block(input, state->block, state->rng, state->autocast, state->block_may_write_input);
+      const Recomputed r = recompute_block(input, state->block, state->rng, state->autocast, state->input_writes == InputWrites::kYes);
       std::vector<at::Tensor> wrt(params.begin(), params.end());
       if (r.anchor.defined()) wrt.push_back(r.anchor);
       if (r.output.requires_grad()) {
