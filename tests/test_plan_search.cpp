@@ -569,6 +569,10 @@ TEST(PlanSearchTest, MeasuredCostsRoundTripThroughJsonExactly) {
   costs.profile.precisions.back().small.blocks[1].cast_bytes = 12345;
   costs.profile.precisions.back().calibration = 1.0 / 3.0;  // no short decimal form
   costs.profile.notes = {"a note"};
+  for (ChainProfile* c : {&costs.profile.precisions[0].small, &costs.profile.precisions[0].large}) {
+    c->moments.resize(c->blocks.size());
+    c->moments[1].backward = PeakMoments{0xfedcba9876543210ULL, {-5, c->micro_batch * 1000, 7}};  // (past int64)
+  }
   OptimizerCost q8 = hand_request().optimizer;
   q8.state = StatePrecision::k8Bit;
   q8.seconds = 0.1 + 0.2;
@@ -586,6 +590,50 @@ TEST(PlanSearchTest, MeasuredCostsRoundTripThroughJsonExactly) {
   nlohmann::json broken = measured_costs_json(costs);
   broken["profile"]["precisions"][0]["small"]["blocks"].erase(0);
   EXPECT_THROW(measured_costs_from_json(broken), std::invalid_argument) << "a block missing";
+}
+
+// A run's moments: the live bytes where each run of allocations ends, kept only where the
+// highest of them is the run's measured peak.
+TEST(PeakMomentsTest, AMomentIsWhereARunOfAllocationsEnds) {
+  const auto event = [](int64_t delta, int64_t live) { return MemoryEvent{0, nullptr, delta, live, Phase::kOther, 0, MemoryDevice::kCPU}; };
+  // From 100 live: +50 +20 -50 +30 -20 -30 +10 (the last run ends the events).
+  const std::vector<MemoryEvent> events{event(50, 150), event(20, 170), event(-50, 120), event(30, 150),
+                                        event(-20, 130), event(-30, 100), event(10, 110)};
+  const PeakMoments m = peak_moments(events, MemoryDevice::kCPU, 100, 70);
+  ASSERT_TRUE(m.usable());
+  EXPECT_EQ(m.bytes, (std::vector<int64_t>{70, 50, 10}));
+  EXPECT_FALSE(peak_moments(events, MemoryDevice::kCPU, 100, 80).usable()) << "a peak the events do not reach";
+  // The same sizes in another order of allocations and frees: another pattern.
+  const std::vector<MemoryEvent> reordered{event(50, 150), event(20, 170), event(30, 200), event(-50, 150),
+                                           event(-20, 130), event(-30, 100), event(10, 110)};
+  const PeakMoments r = peak_moments(reordered, MemoryDevice::kCPU, 100, 100);
+  ASSERT_TRUE(r.usable());
+  EXPECT_NE(r.pattern, m.pattern);
+}
+
+// Two moments crossing: one falling per sample (activations freed before it), one growing.
+// At 2 samples the first is the peak, at 4 the second; the highest of their lines is below
+// the line through the two peaks between them and above it outside.
+TEST(PeakMomentsTest, ThePeakElsewhereIsTheHighestOfTheMomentsLines) {
+  const PeakMoments at2{42, {1200, 900}}, at4{42, {1100, 1300}};
+  EXPECT_EQ(highest_moment(at2, 2, at4, 4, 8), 2100);  // the secant: 1500
+  EXPECT_EQ(highest_moment(at2, 2, at4, 4, 3), 1150);  // the secant: 1250
+  EXPECT_EQ(highest_moment(at2, 2, at4, 4, 1), 1250);  // the secant: 1150
+  EXPECT_FALSE(highest_moment(at2, 2, PeakMoments{43, {1100, 1300}}, 4, 8)) << "another order of allocations";
+  EXPECT_FALSE(highest_moment(at2, 2, PeakMoments{42, {1100}}, 4, 8));
+  EXPECT_FALSE(highest_moment(PeakMoments{}, 2, PeakMoments{}, 4, 8)) << "not recorded";
+
+  // The block's costs take them where both profiled sizes have them, the secant elsewhere.
+  PrecisionProfile p = hand_profile(Precision::kFP32, 1.0);
+  const int64_t secant = block_costs_at(p, 8).blocks[1].backward_peak;
+  p.small.moments.resize(4);
+  p.large.moments.resize(4);
+  p.small.moments[1].backward = PeakMoments{42, {p.small.blocks[1].backward_peak, 100000}};
+  p.large.moments[1].backward = PeakMoments{42, {p.large.blocks[1].backward_peak, 800000}};
+  EXPECT_EQ(block_costs_at(p, 8).blocks[1].backward_peak, 800000 + 4 * 350000);
+  EXPECT_EQ(block_costs_at(p, 8).blocks[0].backward_peak, block_costs_at(hand_profile(Precision::kFP32, 1.0), 8).blocks[0].backward_peak);
+  p.large.moments[1].backward.pattern = 43;
+  EXPECT_EQ(block_costs_at(p, 8).blocks[1].backward_peak, secant);
 }
 
 }  // namespace

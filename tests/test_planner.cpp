@@ -115,6 +115,44 @@ struct SmallGptSetup {
   }();
 };
 
+// A block's peak at a size the profile did not run is the highest of its moments' lines
+// (peak_moments.h): equal, byte for byte, to the peak measured at that size. The GPT is shaped
+// so that in its MLP block's backward the moment that peaks at 2 and 4 samples (both weight
+// gradients made) is overtaken by 8 (the hidden layer's gradient beside one weight gradient),
+// where the line through the peaks at 2 and 4 falls short.
+TEST(PlannerTest, BlockPeaksAtAnUnprofiledSizeEqualTheMeasuredOnes) {
+  test::use_memfit_allocator();
+  auto tracker = std::make_shared<MemoryTracker>();
+  TrackerScope scope(tracker);
+  ModelOptions model;
+  model.gpt.layers = 1;
+  model.gpt.d_model = 128;
+  model.gpt.heads = 4;
+  model.gpt.seq = 16;
+  model.gpt.dropout = 0;
+  Workload w = make_workload(model);
+  const Batch data = w.data->train_batch(0, 8, 0);
+  PrecisionProfile p;
+  p.small = profile_chain(w, data, 2, Precision::kFP32, *tracker);
+  p.large = profile_chain(w, data, 4, Precision::kFP32, *tracker);
+  const ChainProfile measured = profile_chain(w, data, 8, Precision::kFP32, *tracker);
+  const ChainCosts fitted = block_costs_at(p, 8);  // (calibration 1: the blocks' own bytes)
+  int secant_short = 0;
+  for (size_t i = 0; i < measured.blocks.size(); ++i) {
+    const BlockCost &f = fitted.blocks[i], &m = measured.blocks[i];
+    EXPECT_EQ(f.forward_peak, m.forward_peak) << "block " << i;
+    EXPECT_EQ(f.forward_nograd_peak, m.forward_nograd_peak) << "block " << i;
+    EXPECT_EQ(f.backward_peak, m.backward_peak) << "block " << i;
+    EXPECT_EQ(f.backward_peak_accumulating, m.backward_peak_accumulating) << "block " << i;
+    EXPECT_EQ(f.backward_held_input_bytes, m.backward_held_input_bytes) << "block " << i;
+    EXPECT_EQ(f.backward_held_by_segment_bytes, m.backward_held_by_segment_bytes) << "block " << i;
+    EXPECT_EQ(f.backward_held_all_bytes, m.backward_held_all_bytes) << "block " << i;
+    const int64_t secant = fit_bytes(2, p.small.blocks[i].backward_peak, 4, p.large.blocks[i].backward_peak, 8);
+    if (secant < m.backward_peak) ++secant_short;
+  }
+  EXPECT_GE(secant_short, 1) << "no block's backward peak changes its moment between 4 and 8 samples";
+}
+
 TEST(PlannerTest, BelowTheFloorIsInfeasibleAndSaysTheFloor) {
   SmallGptSetup g;
   const Planner planner = measure_and_plan(g.w, g.data, {Precision::kFP32}, g.request, *g.tracker);

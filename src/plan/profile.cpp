@@ -5,7 +5,9 @@
 #include <algorithm>
 #include <chrono>
 #include <cstdio>
+#include <cstdlib>
 #include <limits>
+#include <optional>
 
 #include "memfit/errors.h"
 #include "memfit/runtime/step.h"
@@ -341,22 +343,40 @@ std::vector<double> time_plain_chain(Workload& w, const Batch& batch, Precision 
 
 namespace {
 
-// A block's bytes at m on the line through two measured sizes (lo at m1, hi at m2), those
-// inside the block calibrated against the whole chain's measured peak.
-void fit_block_bytes(const BlockCost& lo, int64_t m1, const BlockCost& hi, int64_t m2, int64_t m, double calibration,
-                     BlockCost& f) {
+// A block's bytes at m from two measured sizes (lo at m1, hi at m2): each on the line through
+// them, a peak the highest of its moments' lines where both runs' moments match (a held peak's
+// excess then the difference of two such), those inside the block calibrated against the
+// whole chain's measured peak. `lo_moments`/`hi_moments` may be null (not recorded).
+void fit_block_bytes(const BlockCost& lo, const BlockMoments* lo_moments, int64_t m1, const BlockCost& hi,
+                     const BlockMoments* hi_moments, int64_t m2, int64_t m, double calibration, BlockCost& f) {
   const auto fit = [&](int64_t BlockCost::*field) { return fit_bytes(m1, lo.*field, m2, hi.*field, m); };
-  const auto fit_calibrated = [&](int64_t BlockCost::*field) { return calibrated(fit(field), calibration); };
+  const auto moments = [&](PeakMoments BlockMoments::*whole) -> std::optional<int64_t> {
+    if (lo_moments == nullptr || hi_moments == nullptr) return std::nullopt;
+    return highest_moment(lo_moments->*whole, m1, hi_moments->*whole, m2, m);
+  };
+  const auto peak = [&](int64_t BlockCost::*field, PeakMoments BlockMoments::*whole) {
+    return calibrated(moments(whole).value_or(fit(field)), calibration);
+  };
+  // What holding some tensors to the end adds to the backward's peak.
+  const auto held = [&](int64_t BlockCost::*field, PeakMoments BlockMoments::*whole) {
+    const auto with = moments(whole), without = moments(&BlockMoments::backward);
+    return with && without ? std::max<int64_t>(0, *with - *without) : fit(field);
+  };
   f.output_bytes = fit(&BlockCost::output_bytes);
   f.input_copy_bytes = fit(&BlockCost::input_copy_bytes);
-  f.kept_bytes = fit_calibrated(&BlockCost::kept_bytes);
-  f.forward_peak = fit_calibrated(&BlockCost::forward_peak);
-  f.forward_nograd_peak = fit_calibrated(&BlockCost::forward_nograd_peak);
-  f.backward_peak = fit_calibrated(&BlockCost::backward_peak);
-  f.backward_peak_accumulating = fit_calibrated(&BlockCost::backward_peak_accumulating);
-  f.backward_held_input_bytes = fit(&BlockCost::backward_held_input_bytes);
-  f.backward_held_by_segment_bytes = fit(&BlockCost::backward_held_by_segment_bytes);
-  f.backward_held_all_bytes = fit(&BlockCost::backward_held_all_bytes);
+  f.kept_bytes = calibrated(fit(&BlockCost::kept_bytes), calibration);
+  f.forward_peak = peak(&BlockCost::forward_peak, &BlockMoments::forward);
+  f.forward_nograd_peak = peak(&BlockCost::forward_nograd_peak, &BlockMoments::forward_nograd);
+  f.backward_peak = peak(&BlockCost::backward_peak, &BlockMoments::backward);
+  f.backward_peak_accumulating = peak(&BlockCost::backward_peak_accumulating, &BlockMoments::backward_accumulating);
+  f.backward_held_input_bytes = held(&BlockCost::backward_held_input_bytes, &BlockMoments::backward_input_held);
+  f.backward_held_by_segment_bytes = held(&BlockCost::backward_held_by_segment_bytes, &BlockMoments::backward_segment_end);
+  f.backward_held_all_bytes = held(&BlockCost::backward_held_all_bytes, &BlockMoments::backward_all);
+}
+
+// Block i's moments in c, or null where not recorded.
+const BlockMoments* moments_of(const ChainProfile& c, size_t i) {
+  return i < c.moments.size() ? &c.moments[i] : nullptr;
 }
 
 }  // namespace
@@ -377,7 +397,8 @@ ChainCosts block_costs_at(const PrecisionProfile& p, int64_t m) {
     BlockCost f;
     f.forward_seconds = fit_line(m1, s.forward_seconds, m2, l.forward_seconds, mt);
     f.backward_seconds = fit_line(m1, s.backward_seconds, m2, l.backward_seconds, mt);
-    fit_block_bytes(lo.blocks[i], lo.micro_batch, hi.blocks[i], hi.micro_batch, m, p.calibration, f);
+    fit_block_bytes(lo.blocks[i], moments_of(lo, i), lo.micro_batch, hi.blocks[i], moments_of(hi, i), hi.micro_batch, m,
+                    p.calibration, f);
     f.output_kept = l.output_kept;
     f.recomputable = l.recomputable;
     f.input_copy_kept = l.input_copy_kept;
@@ -503,10 +524,60 @@ BlockCost block_cost_from_json(const nlohmann::json& j) {
   return b;
 }
 
+// The pattern as 16 hex digits (a JSON number past int64 would not read back as one).
+nlohmann::json peak_moments_json(const PeakMoments& p) {
+  char pattern[17];
+  std::snprintf(pattern, sizeof pattern, "%016llx", static_cast<unsigned long long>(p.pattern));
+  return {{"pattern", pattern}, {"bytes", p.bytes}};
+}
+
+PeakMoments peak_moments_from_json(const nlohmann::json& j) {
+  PeakMoments p;
+  const std::string pattern = jf::text(j, "pattern");
+  char* end = nullptr;
+  p.pattern = std::strtoull(pattern.c_str(), &end, 16);
+  if (pattern.size() != 16 || end != pattern.c_str() + 16) {
+    throw std::invalid_argument("JSON: 'pattern' must be 16 hex digits, got \"" + pattern + "\"");
+  }
+  for (const auto& v : jf::array(j, "bytes")) {  // (below the start where a run frees first)
+    if (!v.is_number_integer()) throw std::invalid_argument("JSON: 'bytes' must hold integers, got " + v.dump());
+    p.bytes.push_back(v.get<int64_t>());
+  }
+  return p;
+}
+
+// A block's moments, field by field (the names of BlockCost's peaks they fit).
+const std::pair<const char*, PeakMoments BlockMoments::*> kMomentFields[] = {
+    {"forward_peak", &BlockMoments::forward},
+    {"forward_nograd_peak", &BlockMoments::forward_nograd},
+    {"backward_peak", &BlockMoments::backward},
+    {"backward_peak_accumulating", &BlockMoments::backward_accumulating},
+    {"backward_input_held", &BlockMoments::backward_input_held},
+    {"backward_segment_end", &BlockMoments::backward_segment_end},
+    {"backward_all", &BlockMoments::backward_all}};
+
+nlohmann::json block_moments_json(const BlockMoments& m) {
+  nlohmann::json j = nlohmann::json::object();
+  for (const auto& [name, field] : kMomentFields) j[name] = peak_moments_json(m.*field);
+  return j;
+}
+
+BlockMoments block_moments_from_json(const nlohmann::json& j) {
+  BlockMoments m;
+  for (const auto& [name, field] : kMomentFields) m.*field = peak_moments_from_json(jf::field(j, name));
+  return m;
+}
+
 nlohmann::json chain_profile_json(const ChainProfile& c) {
   nlohmann::json blocks = nlohmann::json::array();
   for (const auto& b : c.blocks) blocks.push_back(block_cost_json(b));
-  return {{"micro_batch", c.micro_batch}, {"blocks", blocks}, {"forward_nograd_seconds", c.forward_nograd_seconds}};
+  nlohmann::json j{{"micro_batch", c.micro_batch}, {"blocks", blocks}, {"forward_nograd_seconds", c.forward_nograd_seconds}};
+  if (!c.moments.empty()) {
+    nlohmann::json moments = nlohmann::json::array();
+    for (const auto& m : c.moments) moments.push_back(block_moments_json(m));
+    j["moments"] = moments;
+  }
+  return j;
 }
 
 ChainProfile chain_profile_from_json(const nlohmann::json& j, size_t blocks) {
@@ -514,6 +585,9 @@ ChainProfile chain_profile_from_json(const nlohmann::json& j, size_t blocks) {
   c.micro_batch = jf::integer(j, "micro_batch", 1);
   for (const auto& b : jf::array(j, "blocks", static_cast<int>(blocks))) c.blocks.push_back(block_cost_from_json(b));
   c.forward_nograd_seconds = jf::number(j, "forward_nograd_seconds");
+  if (j.contains("moments")) {  // absent: not recorded
+    for (const auto& m : jf::array(j, "moments", static_cast<int>(blocks))) c.moments.push_back(block_moments_from_json(m));
+  }
   return c;
 }
 

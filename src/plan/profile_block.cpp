@@ -26,6 +26,32 @@ std::string profiling_phase(const at::Tensor& x, const char* part = "") {
   return "profiling at micro-batch " + std::to_string(x.dim() > 0 ? x.size(0) : 1) + part;
 }
 
+// Records the tracker's events for a scope, unless a caller already does (its recording is left
+// alone, and the scope's moments are not known).
+class Recording {
+ public:
+  explicit Recording(MemoryTracker& tracker) : tracker_(tracker), own_(!tracker.recording()) {
+    if (own_) tracker_.start_recording();
+  }
+  ~Recording() { stop(); }
+  Recording(const Recording&) = delete;
+  Recording& operator=(const Recording&) = delete;
+
+  bool own() const { return own_; }
+  void stop() {
+    if (own_ && tracker_.recording()) tracker_.stop_recording();
+  }
+  // The moments of the peak the scope measured: `peak` bytes above `live`.
+  PeakMoments moments(int64_t live, int64_t peak) {
+    stop();
+    return own_ ? peak_moments(tracker_.events(), MemoryDevice::kCPU, live, peak) : PeakMoments{};
+  }
+
+ private:
+  MemoryTracker& tracker_;
+  bool own_;
+};
+
 // The input of one profiled run of block i: a copy where the block may write into its input
 // (x is the input of its next run too, and of the next block's).
 at::Tensor input_for_run(const Chain& chain, int i, const at::Tensor& x) {
@@ -43,10 +69,12 @@ void run_forward_nograd(Chain& chain, int i, const at::Tensor& x, Precision prec
   Autocast autocast(x.device().type(), precision);
   const int64_t live0 = tracker.current();
   tracker.reset_peak();
+  Recording recording(tracker);
   const auto t0 = Clock::now();
   at::Tensor y = chain.run_block(i, xin, profiling_phase(x).c_str());
   r.forward_nograd_seconds = seconds_since(t0);
   r.cost.forward_nograd_peak = tracker.peak() - live0;
+  r.moments.forward_nograd = recording.moments(live0, r.cost.forward_nograd_peak);
   r.cost.input_copy_bytes = chain.may_write_input(i) ? static_cast<int64_t>(x.nbytes()) : 0;  // (a copy is dense)
   if (i + 1 < chain.size()) r.next_input = y;
 }
@@ -121,6 +149,8 @@ StorageAt storage_at(const at::Tensor& t) { return {t.storage().data(), static_c
 struct BackwardPeaks {
   int64_t freed = 0;
   int64_t input_held = 0, segment_end = 0, segment_end_input_held = 0;  // added to `freed`
+  // Of the whole peaks (freed, and freed with the addition): BlockMoments' backward fields.
+  PeakMoments freed_moments, input_held_moments, segment_end_moments, all_moments;
 };
 
 // From the recorded events of one backward: the peaks had those storages not been freed. The
@@ -134,7 +164,9 @@ BackwardPeaks held_peaks(const std::vector<MemoryEvent>& events, int64_t live, i
   int64_t g = 0, o = 0, in = 0;  // bytes freed so far of each
   int64_t input_held = 0, segment_end = 0, all = 0;
   bool output_alive = output.data != nullptr && output.data != input.data, input_alive = input.data != nullptr;
+  PeakMomentsRecorder freed_moments, input_held_moments, segment_end_moments, all_moments;
   for (const MemoryEvent& e : events) {
+    if (e.device != MemoryDevice::kCPU) continue;  // (the tracker's peak is the CPU's)
     if (gradient == nullptr && e.delta == gradient_bytes) gradient = e.ptr;
     if (e.delta > 0 && e.ptr == output.data) output_alive = false;
     if (e.delta > 0 && e.ptr == input.data) input_alive = false;
@@ -151,9 +183,20 @@ BackwardPeaks held_peaks(const std::vector<MemoryEvent>& events, int64_t live, i
     input_held = std::max(input_held, at + in);
     segment_end = std::max(segment_end, at + g + o);
     all = std::max(all, at + g + o + in);
+    freed_moments.add(e, at);
+    input_held_moments.add(e, at + in);
+    segment_end_moments.add(e, at + g + o);
+    all_moments.add(e, at + g + o + in);
   }
   const auto above = [freed](int64_t peak) { return std::max<int64_t>(0, peak - freed); };
-  return {freed, above(input_held), above(segment_end), above(all)};
+  return {freed,
+          above(input_held),
+          above(segment_end),
+          above(all),
+          freed_moments.take(freed),
+          input_held_moments.take(input_held),
+          segment_end_moments.take(segment_end),
+          all_moments.take(all)};
 }
 
 // Backward from `out` (its gradient all ones, made inside: OnesGradient), `output` and `input`
@@ -164,27 +207,24 @@ double measured_backward(const Chain& chain, int i, const at::Tensor& x, at::Ten
   const auto gradient_bytes = static_cast<int64_t>(out.numel() * out.element_size());
   at::Tensor root = OnesGradient::apply(out);
   out = at::Tensor();
-  const bool record = !tracker.recording();  // (a caller's recording is left alone)
   const int64_t live = tracker.current();
   tracker.reset_peak();
-  if (record) tracker.start_recording();
+  Recording recording(tracker);
   const auto t0 = Clock::now();
   try {
     root.backward();
   } catch (const c10::OutOfMemoryError&) {
-    if (record) tracker.stop_recording();
     throw;
   } catch (const c10::Error& e) {
-    if (record) tracker.stop_recording();
     throw compat::error_without_backtrace(chain.describe_block(i) + ", " + profiling_phase(x, " (backward)") + ": " +
                                           error_cause(e.what_without_backtrace()));
   }
   const double seconds = seconds_since(t0);
-  if (record) tracker.stop_recording();
+  recording.stop();
   const int64_t freed = tracker.peak() - live;
   const int64_t g = gradient_bytes, o = output.bytes, in = input.bytes;
-  peaks = record ? held_peaks(tracker.events(), live, gradient_bytes, output, input, freed)
-                 : BackwardPeaks{freed, in, g + o, g + o + in};
+  peaks = recording.own() ? held_peaks(tracker.events(), live, gradient_bytes, output, input, freed)
+                          : BackwardPeaks{freed, in, g + o, g + o + in, {}, {}, {}, {}};
   return seconds;
 }
 
@@ -213,11 +253,13 @@ void run_forward_backward(Workload& w, int i, const at::Tensor& x, const at::Ten
   const auto storage_uses = static_cast<int64_t>(xi.storage().use_count());
   const int64_t live0 = tracker.current();
   tracker.reset_peak();
+  Recording recording(tracker);
   const auto t0 = Clock::now();
   at::Tensor y;
   at::Tensor out = forward_with_grad(w, i, xi, x, target, precision, &y);
   c.forward_seconds = seconds_since(t0);
   c.forward_peak = tracker.peak() - live0;
+  r.moments.forward = recording.moments(live0, c.forward_peak);
   r.output_is_input = !last && y.is_alias_of(xi);
   r.kept_input = xi.use_count() > uses || static_cast<int64_t>(xi.storage().use_count()) > storage_uses;
   c.keeps_own_output = !last && graph_keeps_output(y, xi, storage_uses, r.output_is_input);
@@ -233,6 +275,10 @@ void run_forward_backward(Workload& w, int i, const at::Tensor& x, const at::Ten
   c.backward_held_input_bytes = peaks.input_held;
   c.backward_held_by_segment_bytes = peaks.segment_end;
   c.backward_held_all_bytes = peaks.segment_end_input_held;
+  r.moments.backward = std::move(peaks.freed_moments);
+  r.moments.backward_input_held = std::move(peaks.input_held_moments);
+  r.moments.backward_segment_end = std::move(peaks.segment_end_moments);
+  r.moments.backward_all = std::move(peaks.all_moments);
 }
 
 // Backward again, adding into the gradients the run before made, as a step's later micro-batches
@@ -249,6 +295,7 @@ void run_backward_accumulating(Workload& w, int i, const at::Tensor& x, const at
   BackwardPeaks peaks;
   measured_backward(*w.chain, i, x, std::move(out), output, input, tracker, peaks);
   r.cost.backward_peak_accumulating = peaks.freed;
+  r.moments.backward_accumulating = std::move(peaks.freed_moments);
   zero_grad(w.chain->block(i).module->parameters(), true);
 }
 
@@ -326,6 +373,7 @@ ChainProfile profile_chain(Workload& w, const Batch& batch, int64_t m, Precision
     BlockRun r = run_block(w, i, x, part.target, precision, tracker);
     if (i > 0) hand_on_output(prof.blocks.back(), r);
     prof.blocks.push_back(r.cost);
+    prof.moments.push_back(std::move(r.moments));
     prof.forward_nograd_seconds += r.forward_nograd_seconds;
     x = r.next_input;
   }

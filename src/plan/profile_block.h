@@ -12,6 +12,7 @@ namespace memfit {
 // block kept its own input for backward (then the previous block's output stays alive).
 struct BlockRun {
   BlockCost cost;
+  BlockMoments moments;
   double forward_nograd_seconds = 0;
   at::Tensor next_input;
   bool kept_input = false;

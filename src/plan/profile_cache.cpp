@@ -20,7 +20,7 @@ namespace fs = std::filesystem;
 namespace memfit {
 namespace {
 
-constexpr int kFormat = 4;  // of the files; another number is ignored as stale (1: three chain times; 2: no one-sample blocks; 3: one sample on the line from a batch of 4)
+constexpr int kFormat = 5;  // of the files; another number is ignored as stale (1: three chain times; 2: no one-sample blocks; 3: one sample on the line from a batch of 4; 4: peaks without their moments)
 
 // The running program's sha256, computed once per process ("" where it cannot be read).
 const std::string& program_sha256() {

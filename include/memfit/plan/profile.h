@@ -10,7 +10,8 @@
 // one sample too: some ops keep more at one sample than the line through the larger sizes
 // says (the default GPT's attention: one [1, T, d] copy more a block).
 // Bytes at other sizes are fitted piecewise linearly through the measured sizes (continued
-// past the ends); the chain's bytes calibrate the blocks'.
+// past the ends), a peak as the highest of its moments' lines where two sizes' runs allocate
+// in the same order (peak_moments.h); the chain's bytes calibrate the blocks'.
 //
 // Time: the plain chain's forward + backward is measured at half the batch and at the quarter,
 // three runs of each as in a step (adding into gradients, as a step's later micro-batches do;
@@ -48,6 +49,7 @@
 #include <vector>
 
 #include "memfit/measure/memory_tracker.h"
+#include "memfit/plan/peak_moments.h"
 #include "memfit/plan/schedule.h"
 #include "memfit/runtime/optimizer.h"
 #include "memfit/runtime/workload.h"
@@ -55,10 +57,18 @@
 
 namespace memfit {
 
+// The moments of a block's measured peaks (peak_moments.h). The held peaks are whole (the
+// backward's peak with what is held on top), not the excess over it that BlockCost keeps.
+struct BlockMoments {
+  PeakMoments forward, forward_nograd, backward, backward_accumulating;
+  PeakMoments backward_input_held, backward_segment_end, backward_all;
+};
+
 // Per-block costs measured at one micro-batch size.
 struct ChainProfile {
   int64_t micro_batch = 0;
   std::vector<BlockCost> blocks;
+  std::vector<BlockMoments> moments;  // by block; empty where not recorded (costs written by hand)
   double forward_nograd_seconds = 0;  // all blocks' forward without grad (what recomputing adds)
 };
 
