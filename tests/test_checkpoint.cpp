@@ -121,6 +121,34 @@ TEST(CheckpointTest, BlockOfUnknownWritesRunsOnTheCallersTensor) {
   }
 }
 
+// What a segment saves (its input, the random state its forward drew from) is autograd's saved
+// variables: freed once its backward has run, though the graph lives on with the loss (the
+// planner counts it so); kept where the graph is retained, so a second backward recomputes
+// with the same dropout masks.
+TEST(CheckpointTest, WhatASegmentSavesIsFreedByItsBackwardUnlessTheGraphIsRetained) {
+  test::use_memfit_allocator();
+  auto tracker = std::make_shared<MemoryTracker>();
+  TrackerScope scope(tracker);
+  torch::manual_seed(0);
+  auto linear = torch::nn::Linear(8, 8);
+  const auto block = [&](const at::Tensor& in) { return torch::dropout(linear(in), 0.5, true); };
+  const at::Tensor x = torch::randn({4, 8});
+  checkpoint(block, x, linear->parameters()).sum().backward();  // the gradients made: later runs add into them
+  const int64_t before = tracker->current();
+  at::Tensor loss = checkpoint(block, x, linear->parameters()).sum();
+  const auto random_state = static_cast<int64_t>(capture_rng(x.device()).cpu.nbytes());
+  EXPECT_EQ(tracker->current() - before, static_cast<int64_t>(loss.nbytes()) + random_state);
+  loss.backward();
+  EXPECT_EQ(tracker->current() - before, static_cast<int64_t>(loss.nbytes())) << "the loss alone, its graph emptied";
+
+  linear->zero_grad();
+  loss = checkpoint(block, x, linear->parameters()).sum();
+  loss.backward({}, /*retain_graph=*/true);
+  const at::Tensor once = linear->weight.grad().clone();
+  loss.backward();
+  EXPECT_TRUE(torch::equal(linear->weight.grad(), once + once)) << "the second recompute drew other masks";
+}
+
 TEST(CheckpointTest, RestoresTheCallersRandomStream) {
   test::use_memfit_allocator();
   torch::manual_seed(5);

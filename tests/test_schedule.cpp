@@ -192,6 +192,30 @@ TEST(ScheduleTest, NonReentrantSegmentsHoldOnlyTheIncomingGradient) {
   EXPECT_EQ(reentrant - evaluate_schedule(c, {{0, 1}}).peak_bytes, 10 + 10);  // its output, and the segment's delta
 }
 
+// A segment's random state is taken before its forward and freed when its backward is done:
+// alive under its own peaks, and under the recompute twice (the recompute keeps the state it
+// found, to put it back). A plain block takes none.
+TEST(ScheduleTest, ASegmentsRandomStateLivesThroughItsOwnPeaks) {
+  ChainCosts c;
+  BlockCost b;
+  b.output_bytes = 10;
+  b.kept_bytes = 100;
+  b.forward_peak = 100;
+  b.forward_nograd_peak = 10;
+  b.backward_peak = 1000;
+  c.blocks = {b};
+  const int64_t none = evaluate_schedule(c, {{0, 0}}).peak_bytes;
+  c.segment_overhead_bytes = 7;
+  EXPECT_EQ(evaluate_schedule(c, {{0, 0}}).peak_bytes - none, 7) << "the backward's peak";
+  c.blocks[0].forward_peak = 5000;  // the recompute's peak now
+  const int64_t recompute = evaluate_schedule(c, {{0, 0}}).peak_bytes;
+  c.segment_overhead_bytes = 0;
+  EXPECT_EQ(recompute - evaluate_schedule(c, {{0, 0}}).peak_bytes, 2 * 7) << "the recompute's peak";
+  const int64_t plain = evaluate_schedule(c, {}).peak_bytes;
+  c.segment_overhead_bytes = 7;
+  EXPECT_EQ(evaluate_schedule(c, {}).peak_bytes, plain) << "a plain block";
+}
+
 TEST(ScheduleTest, PlainWhenEverythingFits) {
   std::mt19937 rng(7);
   ChainCosts c = random_chain(rng, 6);

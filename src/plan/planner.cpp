@@ -10,6 +10,14 @@
 #include "runtime/json_fields.h"
 
 namespace memfit {
+namespace {
+
+// Copies of the random state alive through a training step's forward and backward: the
+// trainer's from the step's start (a non-finite loss stops with the stream as the step found
+// it) and the micro-batch's (an out-of-memory error takes back the failed attempt's draws).
+constexpr int64_t kStepRandomStates = 2;
+
+}  // namespace
 
 std::vector<Precision> precision_candidates(const std::string& text, c10::DeviceType device) {
   if (text == "auto") {
@@ -269,7 +277,7 @@ ChainCosts Planner::costs_at(int64_t m, const PrecisionProfile& p, const Optimiz
     }
   }
   c.fixed_bytes = weight_bytes() + (optimizer.on_host ? 0 : optimizer.state_bytes) + profile_.batch_bytes +
-                  request_.resident_bytes;
+                  request_.resident_bytes + kStepRandomStates * profile_.segment_overhead_bytes;
   // Offloaded, the gradients leave for the host as backward makes them: none wait on the device.
   c.gradients_streamed = optimizer.on_host;
   c.gradients_present = !optimizer.on_host && gradients_stay(m);

@@ -85,9 +85,11 @@ struct Model {
   // the units before it (their pending output included). An offloaded block just before u comes
   // back while u's backward runs (prefetched one block ahead): its host bytes are on the device
   // again from the start of u's backward (`prefetched`).
+  // A segment's own random state is taken before its forward and kept until its backward is
+  // done (held(u) counts it for the units after).
   int64_t peak(const Unit& u, int64_t before, int64_t prefetched = 0) const {
     const int64_t base = c.fixed_bytes + before;
-    return u.checkpointed ? segment_peak(u, base, prefetched) : plain_peak(u.first, base, prefetched);
+    return u.checkpointed ? segment_peak(u, base + c.segment_overhead_bytes, prefetched) : plain_peak(u.first, base, prefetched);
   }
   int64_t plain_peak(int k, int64_t base, int64_t prefetched) const {
     const int64_t grads = c.gradients_present ? all_grads() : grads_after[k];
@@ -111,10 +113,11 @@ struct Model {
     for (int k = u.first; k <= u.last; ++k) {
       p = std::max(p, base_forward + casts_from[k + 1] + copy(u, k) + b(k).forward_nograd_peak);
     }
-    // Backward: the segment runs again keeping everything, then its blocks' backward.
+    // Backward: the segment runs again keeping everything (and the random state it found, put
+    // back after it), then its blocks' backward.
     int64_t kept = 0;
     for (int k = u.first; k <= u.last; ++k) {
-      p = std::max(p, base + grads + delta + kept + copy(u, k) + b(k).forward_peak);
+      p = std::max(p, base + c.segment_overhead_bytes + grads + delta + kept + copy(u, k) + b(k).forward_peak);
       kept += b(k).kept_bytes + copy_kept(u, k);
     }
     // Until the segment's backward returns it holds its recomputed output and the gradient that

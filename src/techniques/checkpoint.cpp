@@ -4,6 +4,8 @@
 #include <torch/csrc/autograd/custom_function.h>
 #include <torch/utils.h>
 
+#include <utility>
+
 #include "memfit/compat.h"
 #include "memfit/measure/memory_tracker.h"
 #include "memfit/techniques/autocast.h"
@@ -100,11 +102,32 @@ Recomputed recompute_block(const at::Tensor& input, const BlockFn& block, const 
   return r;
 }
 
-// What the recompute needs besides the saved input: the block, and the random and autocast
-// state the forward ran with.
+// What a checkpointed block saves for backward as autograd's saved variables: its input and the
+// random state its forward drew from (CPU's, and the input's CUDA device's when it lives there).
+// Autograd frees saved variables once the node's backward has run (unless the graph is
+// retained), as the plan counts them; in the node's capsule they would live until the graph is
+// destroyed, past the step's backward.
+struct SavedForRecompute {
+  at::Tensor input;
+  RngState rng;
+};
+
+void save_for_recompute(torch::autograd::AutogradContext* ctx, const at::Tensor& input, const RngState& rng) {
+  ctx->save_for_backward({input, rng.cpu, rng.cuda});
+  ctx->saved_data["cuda_device"] = static_cast<int64_t>(rng.cuda_device);
+}
+
+SavedForRecompute saved_for_recompute(torch::autograd::AutogradContext* ctx) {
+  const auto saved = ctx->get_saved_variables();
+  RngState rng{saved[1], saved[2], static_cast<int>(ctx->saved_data["cuda_device"].toInt())};
+  return {saved[0], std::move(rng)};
+}
+
+// What the recompute needs besides what is saved for it: the block, and the autocast state the
+// forward ran with.
 struct CheckpointState : torch::CustomClassHolder {
   BlockFn block;
-  RngState rng;  // CPU's, and the input's CUDA device's when it lives there
+  RngState rng;  // until the forward saves it (save_for_recompute)
   AutocastState autocast;
   std::vector<at::Tensor> params;  // the parameters themselves (leaves: no copy is made)
   std::vector<at::Tensor> buffers;  // updated in place by the block (BatchNorm statistics)
@@ -136,7 +159,7 @@ class CheckpointFunction : public torch::autograd::Function<CheckpointFunction> 
                             at::TensorList params, c10::intrusive_ptr<CheckpointState> state) {
     (void)params;
     FirstPass pass = run_first_pass(state->block, input, state->input_writes);
-    ctx->save_for_backward({pass.saved_input});
+    save_for_recompute(ctx, pass.saved_input, std::exchange(state->rng, RngState{}));
     state->input_writes = pass.writes;
     ctx->saved_data["state"] = c10::IValue::make_capsule(state);
     return pass.output;
@@ -144,14 +167,14 @@ class CheckpointFunction : public torch::autograd::Function<CheckpointFunction> 
 
   static torch::autograd::variable_list backward(torch::autograd::AutogradContext* ctx,
                                                  torch::autograd::variable_list grad_outputs) {
-    const at::Tensor input = ctx->get_saved_variables()[0];
+    const SavedForRecompute saved = saved_for_recompute(ctx);
     auto state = c10::static_intrusive_pointer_cast<CheckpointState>(
         ctx->saved_data["state"].toCapsule());
     const std::vector<at::Tensor>& params = state->params;
 
     // Until the recomputed graph is differentiated (BatchNorm's backward reads its statistics).
     BufferGuard buffers(state->buffers);
-    const Recomputed r = recompute_block(input, state->block, state->rng, state->autocast, state->input_writes == InputWrites::kYes);
+    const Recomputed r = recompute_block(saved.input, state->block, saved.rng, state->autocast, state->input_writes == InputWrites::kYes);
 
     // Differentiate the recomputed graph w.r.t. the input and the parameters. The parameters'
     // gradients go into their .grad as the recomputed graph's backward makes them (as in a plain
@@ -190,7 +213,7 @@ class GatheredScope {
 
 struct GatheredState : torch::CustomClassHolder {
   BlockFn block;
-  RngState rng;
+  RngState rng;  // until the forward saves it (save_for_recompute)
   AutocastState autocast;
   GatheredParams gathered;
   std::vector<at::Tensor> buffers;
@@ -205,7 +228,7 @@ class GatheredFunction : public torch::autograd::Function<GatheredFunction> {
     (void)shard;
     GatheredScope gathered(state->gathered, GatherFor::kForward);
     FirstPass pass = run_first_pass(state->block, input, state->input_writes);
-    ctx->save_for_backward({pass.saved_input});
+    save_for_recompute(ctx, pass.saved_input, std::exchange(state->rng, RngState{}));
     state->input_writes = pass.writes;
     ctx->saved_data["state"] = c10::IValue::make_capsule(state);
     return pass.output;
@@ -213,7 +236,7 @@ class GatheredFunction : public torch::autograd::Function<GatheredFunction> {
 
   static torch::autograd::variable_list backward(torch::autograd::AutogradContext* ctx,
                                                  torch::autograd::variable_list grad_outputs) {
-    const at::Tensor input = ctx->get_saved_variables()[0];
+    const SavedForRecompute saved = saved_for_recompute(ctx);
     auto state = c10::static_intrusive_pointer_cast<GatheredState>(ctx->saved_data["state"].toCapsule());
     const std::vector<at::Tensor>& params = state->gathered.params;
     std::vector<at::Tensor> full_grads(params.size());
@@ -221,7 +244,7 @@ class GatheredFunction : public torch::autograd::Function<GatheredFunction> {
     {
       GatheredScope gathered(state->gathered, GatherFor::kBackward);
       BufferGuard buffers(state->buffers);
-      const Recomputed r = recompute_block(input, state->block, state->rng, state->autocast, state->input_writes == InputWrites::kYes);
+      const Recomputed r = recompute_block(saved.input, state->block, saved.rng, state->autocast, state->input_writes == InputWrites::kYes);
       std::vector<at::Tensor> wrt(params.begin(), params.end());
       if (r.anchor.defined()) wrt.push_back(r.anchor);
       if (r.output.requires_grad()) {
