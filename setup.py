@@ -54,6 +54,7 @@ LIBRARY_SOURCES = [
     "src/plan/job.cpp",
     "src/plan/planner.cpp",
     "src/plan/profile.cpp",
+    "src/plan/peak_moments.cpp",
     "src/plan/profile_block.cpp",
     "src/plan/profile_cache.cpp",
     "src/plan/rank_states.cpp",

@@ -593,8 +593,8 @@ TEST(PlanSearchTest, MeasuredCostsRoundTripThroughJsonExactly) {
   EXPECT_THROW(measured_costs_from_json(broken), std::invalid_argument) << "a block missing";
 }
 
-// A run's moments: the live bytes where each run of allocations ends, kept only where the
-// highest of them is the run's measured peak.
+// A run's moments: the bytes at its start and where each run of allocations ends, kept only
+// where the highest of them is the run's measured peak (one that only frees peaks at its start).
 TEST(PeakMomentsTest, AMomentIsWhereARunOfAllocationsEnds) {
   const auto event = [](int64_t delta, int64_t live) { return MemoryEvent{0, nullptr, delta, live, Phase::kOther, 0, MemoryDevice::kCPU}; };
   // From 100 live: +50 +20 -50 +30 -20 -30 +10 (the last run ends the events).
@@ -602,8 +602,10 @@ TEST(PeakMomentsTest, AMomentIsWhereARunOfAllocationsEnds) {
                                         event(-20, 130), event(-30, 100), event(10, 110)};
   const PeakMoments m = peak_moments(events, MemoryDevice::kCPU, 100, 70);
   ASSERT_TRUE(m.usable());
-  EXPECT_EQ(m.bytes, (std::vector<int64_t>{70, 50, 10}));
+  EXPECT_EQ(m.bytes, (std::vector<int64_t>{0, 70, 50, 10}));  // the start, then each run's end
   EXPECT_FALSE(peak_moments(events, MemoryDevice::kCPU, 100, 80).usable()) << "a peak the events do not reach";
+  const std::vector<MemoryEvent> frees{event(-50, 50), event(20, 70)};
+  EXPECT_EQ(peak_moments(frees, MemoryDevice::kCPU, 100, 0).bytes, (std::vector<int64_t>{0, -30}));
   // The same sizes in another order of allocations and frees: another pattern.
   const std::vector<MemoryEvent> reordered{event(50, 150), event(20, 170), event(30, 200), event(-50, 150),
                                            event(-20, 130), event(-30, 100), event(10, 110)};

@@ -59,6 +59,10 @@ class _Parts:
         self.watch = [None] * count
         self.bwd_seconds = [0.0] * count
         self.bwd_peak = [0] * count  # ... and during its backward
+        # Each part's recorded events (first, last) and live bytes at its start, forward and
+        # backward: its peaks' moments (plan/peak_moments.h)
+        self.fwd_events = [None] * count
+        self.bwd_events = [None] * count
         self.grad_ids = [set() for _ in range(count)]
         self.open = 0
         self.order_error = None
@@ -75,7 +79,11 @@ class _Parts:
         set_tag(part)
         self.tracker.reset_peak()
         self.live0 = self.tracker.current()
+        self.first_event = self.tracker.event_count()
         self.t0 = time.perf_counter()
+
+    def _events(self):
+        return (self.first_event, self.tracker.event_count(), self.live0)
 
     def begin_forward(self):
         self._start(0)
@@ -88,6 +96,7 @@ class _Parts:
         previous = self.open
         self.fwd_seconds[previous] = time.perf_counter() - self.t0
         self.fwd_peak[previous] = self._peak()
+        self.fwd_events[previous] = self._events()
         if tensor is not None:
             self.out_bytes[previous] = _tensor_bytes(tensor)
             self.watch[previous] = _C.StorageWatch(tensor)
@@ -101,6 +110,7 @@ class _Parts:
             self.order_error = self.order_error or (self.open, last)
         self.fwd_seconds[last] = time.perf_counter() - self.t0
         self.fwd_peak[last] = self._peak()
+        self.fwd_events[last] = self._events()
         self.out_bytes[last] = _tensor_bytes(loss)
 
     def begin_backward(self):
@@ -110,6 +120,7 @@ class _Parts:
         part = self.open
         self.bwd_seconds[part] = time.perf_counter() - self.t0
         self.bwd_peak[part] = self._peak()
+        self.bwd_events[part] = self._events()
         for p in self.parameters:
             if p.grad is not None and id(p) not in self._seen_grads:
                 self._seen_grads.add(id(p))
@@ -194,7 +205,11 @@ class ChainRunner:
     def measure_nograd(self, tracker, batch, precision):
         """Forward without grad (as inside a checkpointed segment): each part's peak and seconds."""
         parts = _Parts(tracker, self.parts, self.parameters)
-        with torch.no_grad():
-            self._forward(parts, batch, precision, hook_backward=False)
+        tracker.start_recording()
+        try:
+            with torch.no_grad():
+                self._forward(parts, batch, precision, hook_backward=False)
+        finally:
+            tracker.stop_recording()
         return parts
 

@@ -89,18 +89,50 @@ class ChainTimer:
         return [s * scale for s in seconds[:-1]]
 
 
-def _block_costs(parts, kept, output_kept, nograd, parameters):
+def _moments(tracker, events, offset, peak):
+    """A part's peak moments (plan/peak_moments.h) in bytes above `offset`, as its peak is
+    (`peak`, unclamped); unusable where the part was not recorded or the events miss the peak."""
+    if events is None:
+        return _C.PeakMoments()
+    first, last, live0 = events
+    return tracker.peak_moments(first, last, live0 - offset, offset, peak)
+
+
+def _block_moments(tracker, parts, offsets):
+    """Each part's moments in its forward and backward (the run's events still recorded), in
+    bytes above `offsets[i]` (forward, backward): the terms its peaks are put in."""
+    out = []
+    for i in range(parts.count):
+        fwd, bwd = offsets[i]
+        m = _C.BlockMoments()
+        m.forward = _moments(tracker, parts.fwd_events[i], fwd, parts.fwd_peak[i] - fwd)
+        m.backward = _moments(tracker, parts.bwd_events[i], bwd, parts.bwd_peak[i] - bwd)
+        m.backward_accumulating = m.backward
+        out.append(m)
+    return out
+
+
+def _add_nograd(tracker, costs, moments, nograd):
+    """The forward without grad's peaks (above its run's start) and their moments."""
+    for i, (c, m) in enumerate(zip(costs, moments)):
+        peak = nograd.fwd_peak[i] - nograd.run_live0
+        c.forward_nograd_peak = max(0, peak)
+        m.forward_nograd = _moments(tracker, nograd.fwd_events[i], nograd.run_live0, peak)
+
+
+def _block_costs(parts, kept, output_kept, parameters):
     """The parts' costs in the planner's model (plan/schedule.h): its peaks are above the bytes
     the model counts at that moment (fixed bytes, what earlier parts keep, the gradients of later
     parts, the incoming gradient), so the peaks measured here, absolute, are turned into those
-    terms: the model then reproduces the plain run it was measured on."""
+    terms: the model then reproduces the plain run it was measured on. With the costs, each
+    part's offsets (forward, backward): the live bytes its peaks are measured above."""
     count = parts.count
     param = [sum(_storage.storage_bytes(p) for p in parameters if id(p) in parts.grad_ids[i]) for i in range(count)]
     # An output counts as kept when this part made it and it is alive at the end of forward (a
     # view of the batch, or of an earlier part's tensor, is not this part's to keep).
     kept_output = [i == count - 1 or (output_kept[i] and kept[i] >= parts.out_bytes[i]) for i in range(count)]
     internal = [max(0, kept[i] - (parts.out_bytes[i] if kept_output[i] else 0)) for i in range(count)]
-    costs, held = [], 0
+    costs, offsets, held = [], [], 0
     for i in range(count):
         c = _C.BlockCost()
         c.forward_seconds = parts.fwd_seconds[i]
@@ -110,9 +142,9 @@ def _block_costs(parts, kept, output_kept, nograd, parameters):
         c.kept_bytes = kept[i]
         base = parts.run_live0 + held
         later_gradients = sum(param[i + 1:])
-        c.forward_peak = max(0, parts.fwd_peak[i] - base)
-        c.backward_peak = max(0, parts.bwd_peak[i] - base - later_gradients - c.output_bytes - internal[i])
-        c.forward_nograd_peak = max(0, nograd.fwd_peak[i] - nograd.run_live0)
+        offsets.append((base, base + later_gradients + c.output_bytes + internal[i]))
+        c.forward_peak = max(0, parts.fwd_peak[i] - offsets[-1][0])
+        c.backward_peak = max(0, parts.bwd_peak[i] - offsets[-1][1])
         c.param_bytes = param[i]
         c.cast_bytes = 0  # measured inside the parts' own bytes (casts made as the step makes them)
         c.recomputable = 0 < i < count - 1
@@ -125,7 +157,7 @@ def _block_costs(parts, kept, output_kept, nograd, parameters):
         c.backward_held_all_bytes = c.output_bytes
         costs.append(c)
         held += internal[i] + (c.output_bytes if c.output_kept else 0)
-    return costs
+    return costs, offsets
 
 
 class Profiler:
@@ -147,10 +179,13 @@ class Profiler:
     def chain_profile(self, precision, m):
         part = _batch.narrow(self.batch, 0, m)
         parts, kept, output_kept = self.runner.measure(self.tracker, part, precision)
+        costs, offsets = _block_costs(parts, kept, output_kept, self.runner.parameters)
+        moments = _block_moments(self.tracker, parts, offsets)  # before the next run's recording
         nograd = self.runner.measure_nograd(self.tracker, part, precision)
+        _add_nograd(self.tracker, costs, moments, nograd)
         cp = _C.ChainProfile()
         cp.micro_batch = m
-        cp.blocks = _block_costs(parts, kept, output_kept, nograd, self.runner.parameters)
+        cp.blocks, cp.moments = costs, moments
         cp.forward_nograd_seconds = sum(nograd.fwd_seconds[1:-1])
         return cp
 

@@ -5,6 +5,7 @@
 #include <c10/core/CPUAllocator.h>
 #include <c10/util/intrusive_ptr.h>
 
+#include <algorithm>
 #include <memory>
 #include <optional>
 #include <string>
@@ -13,6 +14,7 @@
 #include "memfit/measure/budget_allocator.h"
 #include "memfit/measure/cuda_budget.h"
 #include "memfit/measure/memory_tracker.h"
+#include "memfit/plan/peak_moments.h"
 #include "memfit/measure/size.h"
 #include "memfit/report/document.h"
 #include "memfit/report/html_report.h"
@@ -125,6 +127,17 @@ void bind_measure(py::module_& m) {
       .def("start_recording", [](Tracker& t) { t.snapshots.clear(); t.tracker->start_recording(); })
       .def("stop_recording", [](Tracker& t) { t.tracker->stop_recording(); })
       .def("event_count", [](const Tracker& t) { return t.tracker->events().size(); })
+      // The moments (plan/peak_moments.h) of the recorded events [first, last) on the CPU, in
+      // bytes above `offset` (`start` before the first); usable only where their highest is `peak`.
+      .def("peak_moments",
+           [](const Tracker& t, size_t first, size_t last, int64_t start, int64_t offset, int64_t peak) {
+             const auto& events = t.tracker->events();
+             PeakMomentsRecorder r(start);
+             for (size_t i = first; i < std::min(last, events.size()); ++i) {
+               if (events[i].device == MemoryDevice::kCPU) r.add(events[i], events[i].live - offset);
+             }
+             return r.take(peak);
+           })
       .def("adopt", [](Tracker& t, const std::vector<at::Tensor>& tensors) { adopt_tensors(*t.tracker, tensors); })
       .def("snapshot", &Tracker::snapshot, py::arg("weights"), py::arg("buffers"), py::arg("gradients"),
            py::arg("optimizer_state"))

@@ -100,10 +100,22 @@ void bind_costs(py::module_& m) {
       .def_readwrite("backward_peak_accumulating", &BlockCost::backward_peak_accumulating)
       .def_readwrite("backward_held_by_segment_bytes", &BlockCost::backward_held_by_segment_bytes)
       .def_readwrite("backward_held_all_bytes", &BlockCost::backward_held_all_bytes);
+  py::class_<PeakMoments>(m, "PeakMoments")
+      .def(py::init<>())
+      .def_readonly("pattern", &PeakMoments::pattern)
+      .def_readonly("bytes", &PeakMoments::bytes)
+      .def("usable", &PeakMoments::usable);
+  py::class_<BlockMoments>(m, "BlockMoments")
+      .def(py::init<>())
+      .def_readwrite("forward", &BlockMoments::forward)
+      .def_readwrite("forward_nograd", &BlockMoments::forward_nograd)
+      .def_readwrite("backward", &BlockMoments::backward)
+      .def_readwrite("backward_accumulating", &BlockMoments::backward_accumulating);
   py::class_<ChainProfile>(m, "ChainProfile")
       .def(py::init<>())
       .def_readwrite("micro_batch", &ChainProfile::micro_batch)
       .def_readwrite("blocks", &ChainProfile::blocks)
+      .def_readwrite("moments", &ChainProfile::moments)
       .def_readwrite("forward_nograd_seconds", &ChainProfile::forward_nograd_seconds);
   py::class_<PrecisionProfile>(m, "PrecisionProfile")
       .def(py::init([](const std::string& precision) {
@@ -193,6 +205,7 @@ void bind_planner(py::module_& m) {
         return d;
       },
       py::arg("planner"), py::arg("budget"), py::arg("timer"));
+  m.def("block_costs_at", [](const PrecisionProfile& p, int64_t micro_batch) { return block_costs_at(p, micro_batch).blocks; });
   m.def("modelled_plain_peak", [](const PrecisionProfile& p, int64_t micro_batch) {
     return evaluate_schedule(block_costs_at(p, micro_batch), {}).peak_bytes;
   });

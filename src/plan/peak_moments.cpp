@@ -19,8 +19,7 @@ void PeakMomentsRecorder::add(const MemoryEvent& event, int64_t bytes) {
 PeakMoments PeakMomentsRecorder::take(int64_t peak) {
   if (allocating_) bytes_.push_back(last_bytes_);
   PeakMoments out;
-  const int64_t highest = bytes_.empty() ? 0 : *std::max_element(bytes_.begin(), bytes_.end());
-  if (events_ == 0 || highest != peak) return out;
+  if (events_ == 0 || *std::max_element(bytes_.begin(), bytes_.end()) != peak) return out;
   out.pattern = pattern_ == 0 ? 1 : pattern_;  // (0 means unusable)
   out.bytes = std::move(bytes_);
   return out;

@@ -28,8 +28,8 @@ struct PeakMoments {
   // The run's order of allocations and frees, hashed; 0: not recorded, or the moments did not
   // reproduce the measured peak (then unused).
   uint64_t pattern = 0;
-  // Bytes above the run's start at each moment a run of allocations ends (a local maximum), in
-  // the run's order.
+  // Bytes at the run's start, then at each moment a run of allocations ends (a local maximum),
+  // in the run's order.
   std::vector<int64_t> bytes;
 
   bool usable() const { return pattern != 0 && !bytes.empty(); }
@@ -39,6 +39,8 @@ struct PeakMoments {
 // it (the live bytes above the start, plus what the caller holds on top).
 class PeakMomentsRecorder {
  public:
+  // `start`: the bytes that count before the first event (a run that only frees peaks there).
+  explicit PeakMomentsRecorder(int64_t start = 0) : bytes_{start} {}
   void add(const MemoryEvent& event, int64_t bytes);
   // The moments, kept only if their highest is `peak` (the peak measured of the same run):
   // otherwise something outside the events made the peak, and the moments say nothing of it.
@@ -52,8 +54,8 @@ class PeakMomentsRecorder {
   int64_t events_ = 0;
 };
 
-// The moments of a recorded run on one device: its events, bytes above `live`; kept only if
-// their highest is `peak`.
+// The moments of a recorded run on one device: its events, bytes above `live` (the start's: 0);
+// kept only if their highest is `peak`.
 PeakMoments peak_moments(const std::vector<MemoryEvent>& events, MemoryDevice device, int64_t live, int64_t peak);
 
 // The highest of the moments' lines at m, measured at m1 (a) and m2 (b), never below zero; none
