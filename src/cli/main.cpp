@@ -185,14 +185,23 @@ int dispatch(const std::function<int()>& command) {
   }
 }
 
+// Sets an environment variable the user left unset; whether it did.
+bool set_unless_chosen(const char* name, const char* value) {
+  return std::getenv(name) == nullptr && setenv(name, value, 1) == 0;
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
   // OpenMP threads that spin while they wait take the cores the work needs on small machines,
   // and make every time the planner measures noisy (a plan's predicted step time off by a
-  // factor of four on 2 cores; with passive waiting, within a few percent). libgomp reads the policy
-  // only when it is loaded, so memfit restarts itself once with it set, unless the user chose.
-  if (std::getenv("OMP_WAIT_POLICY") == nullptr && setenv("OMP_WAIT_POLICY", "PASSIVE", 1) == 0) {
+  // factor of four on 2 cores; with passive waiting, within a few percent). oneMKL (LibTorch
+  // 2.x's CPU BLAS) gives the same bits run to run only at a fixed thread count, MKL_DYNAMIC and
+  // OMP_DYNAMIC false (its "Reproducibility Conditions"): memfit resumes bit-exactly and ZeRO 3
+  // sums as one process does. libgomp and oneMKL read these only when loaded, so memfit
+  // restarts itself once with them set, unless the user chose.
+  if (set_unless_chosen("OMP_WAIT_POLICY", "PASSIVE") | set_unless_chosen("MKL_DYNAMIC", "FALSE") |
+      set_unless_chosen("OMP_DYNAMIC", "FALSE")) {
     execv("/proc/self/exe", argv);  // returns only on failure: then run on as we are
   }
   // Freed tensor memory stays in this process (as a GPU caching allocator keeps it) instead of
