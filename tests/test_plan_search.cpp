@@ -600,16 +600,16 @@ TEST(PeakMomentsTest, AMomentIsWhereARunOfAllocationsEnds) {
   // From 100 live: +50 +20 -50 +30 -20 -30 +10 (the last run ends the events).
   const std::vector<MemoryEvent> events{event(50, 150), event(20, 170), event(-50, 120), event(30, 150),
                                         event(-20, 130), event(-30, 100), event(10, 110)};
-  const PeakMoments m = peak_moments(events, MemoryDevice::kCPU, 100, 70);
+  const PeakMoments m = peak_moments(events, 0, events.size(), MemoryDevice::kCPU, 100, 100, 70);
   ASSERT_TRUE(m.usable());
   EXPECT_EQ(m.bytes, (std::vector<int64_t>{0, 70, 50, 10}));  // the start, then each run's end
-  EXPECT_FALSE(peak_moments(events, MemoryDevice::kCPU, 100, 80).usable()) << "a peak the events do not reach";
+  EXPECT_FALSE(peak_moments(events, 0, events.size(), MemoryDevice::kCPU, 100, 100, 80).usable()) << "a peak the events do not reach";
   const std::vector<MemoryEvent> frees{event(-50, 50), event(20, 70)};
-  EXPECT_EQ(peak_moments(frees, MemoryDevice::kCPU, 100, 0).bytes, (std::vector<int64_t>{0, -30}));
+  EXPECT_EQ(peak_moments(frees, 0, frees.size(), MemoryDevice::kCPU, 100, 100, 0).bytes, (std::vector<int64_t>{0, -30}));
   // The same sizes in another order of allocations and frees: another pattern.
   const std::vector<MemoryEvent> reordered{event(50, 150), event(20, 170), event(30, 200), event(-50, 150),
                                            event(-20, 130), event(-30, 100), event(10, 110)};
-  const PeakMoments r = peak_moments(reordered, MemoryDevice::kCPU, 100, 100);
+  const PeakMoments r = peak_moments(reordered, 0, reordered.size(), MemoryDevice::kCPU, 100, 100, 100);
   ASSERT_TRUE(r.usable());
   EXPECT_NE(r.pattern, m.pattern);
 }

@@ -95,7 +95,7 @@ def _moments(tracker, events, offset, peak):
     if events is None:
         return _C.PeakMoments()
     first, last, live0 = events
-    return tracker.peak_moments(first, last, live0 - offset, offset, peak)
+    return tracker.peak_moments(first, last, live0, offset, peak)
 
 
 def _block_moments(tracker, parts, offsets):

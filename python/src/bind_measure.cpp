@@ -5,7 +5,6 @@
 #include <c10/core/CPUAllocator.h>
 #include <c10/util/intrusive_ptr.h>
 
-#include <algorithm>
 #include <memory>
 #include <optional>
 #include <string>
@@ -127,16 +126,10 @@ void bind_measure(py::module_& m) {
       .def("start_recording", [](Tracker& t) { t.snapshots.clear(); t.tracker->start_recording(); })
       .def("stop_recording", [](Tracker& t) { t.tracker->stop_recording(); })
       .def("event_count", [](const Tracker& t) { return t.tracker->events().size(); })
-      // The moments (plan/peak_moments.h) of the recorded events [first, last) on the CPU, in
-      // bytes above `offset` (`start` before the first); usable only where their highest is `peak`.
+      // The moments (plan/peak_moments.h) of the recorded events [first, last) on the CPU.
       .def("peak_moments",
-           [](const Tracker& t, size_t first, size_t last, int64_t start, int64_t offset, int64_t peak) {
-             const auto& events = t.tracker->events();
-             PeakMomentsRecorder r(start);
-             for (size_t i = first; i < std::min(last, events.size()); ++i) {
-               if (events[i].device == MemoryDevice::kCPU) r.add(events[i], events[i].live - offset);
-             }
-             return r.take(peak);
+           [](const Tracker& t, size_t first, size_t last, int64_t start_live, int64_t offset, int64_t peak) {
+             return peak_moments(t.tracker->events(), first, last, MemoryDevice::kCPU, start_live, offset, peak);
            })
       .def("adopt", [](Tracker& t, const std::vector<at::Tensor>& tensors) { adopt_tensors(*t.tracker, tensors); })
       .def("snapshot", &Tracker::snapshot, py::arg("weights"), py::arg("buffers"), py::arg("gradients"),

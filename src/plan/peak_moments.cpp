@@ -25,10 +25,11 @@ PeakMoments PeakMomentsRecorder::take(int64_t peak) {
   return out;
 }
 
-PeakMoments peak_moments(const std::vector<MemoryEvent>& events, MemoryDevice device, int64_t live, int64_t peak) {
-  PeakMomentsRecorder r;
-  for (const MemoryEvent& e : events) {
-    if (e.device == device) r.add(e, e.live - live);
+PeakMoments peak_moments(const std::vector<MemoryEvent>& events, size_t first, size_t last, MemoryDevice device,
+                         int64_t start_live, int64_t offset, int64_t peak) {
+  PeakMomentsRecorder r(start_live - offset);
+  for (size_t i = first; i < std::min(last, events.size()); ++i) {
+    if (events[i].device == device) r.add(events[i], events[i].live - offset);
   }
   return r.take(peak);
 }

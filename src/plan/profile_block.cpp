@@ -44,7 +44,8 @@ class Recording {
   // The moments of the peak the scope measured: `peak` bytes above `live`.
   PeakMoments moments(int64_t live, int64_t peak) {
     stop();
-    return own_ ? peak_moments(tracker_.events(), MemoryDevice::kCPU, live, peak) : PeakMoments{};
+    const auto& events = tracker_.events();
+    return own_ ? peak_moments(events, 0, events.size(), MemoryDevice::kCPU, live, live, peak) : PeakMoments{};
   }
 
  private:

@@ -54,9 +54,10 @@ class PeakMomentsRecorder {
   int64_t events_ = 0;
 };
 
-// The moments of a recorded run on one device: its events, bytes above `live` (the start's: 0);
-// kept only if their highest is `peak`.
-PeakMoments peak_moments(const std::vector<MemoryEvent>& events, MemoryDevice device, int64_t live, int64_t peak);
+// The moments of a recorded run on one device: events [first, last), begun at `start_live` live
+// bytes, in bytes above `offset`; kept only if their highest is `peak`.
+PeakMoments peak_moments(const std::vector<MemoryEvent>& events, size_t first, size_t last, MemoryDevice device,
+                         int64_t start_live, int64_t offset, int64_t peak);
 
 // The highest of the moments' lines at m, measured at m1 (a) and m2 (b), never below zero; none
 // where the two runs' moments do not match (another order of allocations and frees).
