@@ -3,7 +3,8 @@
 # the same model, batch, schedule (every block recomputed, as stage 3 must), micro-batch and
 # budget, in alternating rounds. Per variant: the median step time (rank 0's log, the first 2
 # steps left out) over rounds, its ratio to ZeRO 2's, every rank's measured peak against the
-# plan's prediction, and the weights' hash (equal across variants: the same sums).
+# plan's prediction, and the weights' hash in each round (equal across variants and rounds: the
+# same sums; a line after the table names any round that differs).
 #   bench/harness/zero3_step_time.sh build/memfit [RANKS] [ROUNDS] [model flags...]
 #   ZERO3_VARIANTS="2: 3:1 3:2"   a subset of the variants (default: ZeRO 2, ZeRO 3 at depths 0-2)
 # Default model: the GPT of bench/RESULTS.md's ZeRO 3 section, micro-batch 2 (2 per rank's step
@@ -25,6 +26,8 @@ common=("${model[@]}" --no-progress --eval-every 0 --report "" --checkpoint all 
 read -r -a variants <<< "${ZERO3_VARIANTS:-2: 3:0 3:1 3:2}"
 echo "command: ${ZERO3_VARIANTS:+ZERO3_VARIANTS=\"$ZERO3_VARIANTS\" }bash bench/harness/zero3_step_time.sh $memfit_arg $ranks $rounds ${model[*]}"
 echo "model: ${model[*]}; $ranks ranks; $rounds round(s); $(nproc) cores; load $(cut -d' ' -f1-3 /proc/loadavg)"
+# Thread-count settings change the bits (the CLI sets both FALSE unless they are set here).
+echo "environment: MKL_DYNAMIC=${MKL_DYNAMIC:-unset} OMP_DYNAMIC=${OMP_DYNAMIC:-unset} OMP_NUM_THREADS=${OMP_NUM_THREADS:-unset}"
 for ((r = 1; r <= rounds; r++)); do
   for v in "${variants[@]}"; do
     zero=${v%%:*} depth=${v#*:}
@@ -43,11 +46,11 @@ def name(v):
     return f"z{zero}" + (f"d{depth}" if depth else "")
 rows = {}
 for v in variants:
-    medians, peaks, hashes = [], {}, set()
+    medians, peaks, hashes = [], {}, []
     for r in range(1, rounds + 1):
         lines = [json.loads(l) for l in open(f"{d}/{name(v)}.r{r}.jsonl")]
         medians.append(statistics.median([l["seconds"] for l in lines if l["type"] == "step"][2:]))
-        hashes.add(lines[-1]["weights_sha256"][:16])
+        hashes.append(lines[-1]["weights_sha256"][:16])
         out = open(f"{d}/{name(v)}.r{r}.out").read()
         for rank, b in re.findall(r"\[rank (\d+)\]   peak [\d.]+ \w+ \((\d+) bytes\)", out):
             peaks[int(rank)] = int(b)
@@ -61,5 +64,13 @@ for v in variants:
     zero, depth = v.split(":")
     label = f"ZeRO {zero}" + (f", depth {depth}" if depth else "")
     cells = ", ".join(f"r{k} {peaks[k]} / {pred[k]} ({peaks[k] / pred[k] - 1:+.1%})" for k in sorted(peaks))
-    print(f"| {label} | {med:.3f} s | {med / base:.3f}x | {' '.join(f'{m:.3f}' for m in meds)} | {cells} | {' '.join(sorted(hashes))} |")
+    print(f"| {label} | {med:.3f} s | {med / base:.3f}x | {' '.join(f'{m:.3f}' for m in meds)} | {cells} | {' '.join(dict.fromkeys(hashes))} |")
+# Stage 2 sums a rank's micro-batches before the ranks, stage 3 each micro-batch over the ranks
+# first: with several micro-batches a rank, the stages' bits differ by design; depths must not.
+for stage in dict.fromkeys(v.split(":")[0] for v in variants):
+    mine = [v for v in variants if v.split(":")[0] == stage]
+    every = [h for v in mine for h in rows[v][4]]
+    common = max(set(every), key=every.count)
+    odd = [f"{v} round {r + 1}: {h}" for v in mine for r, h in enumerate(rows[v][4]) if h != common]
+    print(f"weights, ZeRO {stage}: {common} in every round" + (" except " + "; ".join(odd) if odd else ""))
 PY
