@@ -21,7 +21,9 @@
 #                              beside FILE and the torch package's lib/ go on LD_LIBRARY_PATH
 #   GPU_CHECK_ZERO3_ROUNDS=N   first, ZeRO 3 against ZeRO 2 on this machine's CPU cores (issue 33:
 #                              bench/harness/zero3_step_time.sh at 2 and 4 ranks, N rounds, half
-#                              the cores computing, the rest free for Gloo's transfers); default 0
+#                              the cores computing, the rest free for Gloo's transfers), after
+#                              bench/harness/cpu_matmul_bits.py (do the products' bits follow the
+#                              address?); default 0
 #   GPU_CHECK_ZERO3_MODEL="flags"  that comparison's model (default: a GPT of 4 layers, d=512); ZERO3_VARIANTS is passed on
 #
 # Without CUDA (no nvidia-smi, no torch, or torch.cuda.is_available() false) it still runs its
@@ -143,6 +145,11 @@ log "-- $(tail -1 "$results")"
 zero3_rc=0
 if [ "${GPU_CHECK_ZERO3_ROUNDS:-0}" -gt 0 ]; then
   read -r -a zero3_model <<< "${GPU_CHECK_ZERO3_MODEL:---layers 4 --d-model 512 --heads 8 --seq 128 --batch 16 --dropout 0 --micro-batch 4}"
+  # Whether this CPU's matrix products follow their operands' address, or differ on a repeat:
+  # either would make the weights' hash differ between runs by chance (with this torch, which
+  # may not be the one memfit links).
+  [ -n "$py" ] && run "CPU matrix products' bits" "$py" "$root/bench/harness/cpu_matmul_bits.py" \
+    --threads $(( $(nproc) / 4 > 0 ? $(nproc) / 4 : 1 ))
   for ranks in 2 4; do
     threads=$(( $(nproc) / ranks / 2 > 0 ? $(nproc) / ranks / 2 : 1 ))
     run "ZeRO 3 vs ZeRO 2, $ranks ranks" bash "$root/bench/harness/zero3_step_time.sh" "$memfit" "$ranks" \
