@@ -93,7 +93,7 @@ def main():
     torch.manual_seed(0)
     torch.set_num_threads(o.threads)
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads; "
-          f"BLAS: {torch.backends.mkl.is_available() and 'oneMKL' or 'not oneMKL'}")
+          f"BLAS: {'oneMKL' if torch.backends.mkl.is_available() else 'not oneMKL'}")
     cases = [(name, linear_and_grad, (torch.randn(m, k), torch.randn(n, k))) for name, m, k, n in PRODUCTS]
     b, s, h = BMM[1:]
     cases.append((BMM[0], bmm_pair, (torch.randn(b, s, h), torch.randn(b, s, h))))
