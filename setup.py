@@ -23,47 +23,16 @@ except ImportError:  # pragma: no cover - the message is the point
 
 ROOT = os.path.dirname(os.path.abspath(__file__))
 
-# The library's sources the bindings reach (the linker drops what they do not use).
-LIBRARY_SOURCES = [
-    "src/digest.cpp",
-    "src/errors.cpp",
-    "src/measure/breakdown.cpp",
-    "src/measure/budget_allocator.cpp",
-    "src/measure/cuda_allocator_conf.cpp",
-    "src/measure/cuda_allocator_model.cpp",
-    "src/measure/cuda_budget.cpp",
-    "src/measure/cuda_reserved.cpp",
-    "src/measure/memory_space.cpp",
-    "src/measure/memory_tracker.cpp",
-    "src/measure/size.cpp",
-    "src/techniques/accumulation.cpp",
-    "src/techniques/activation_offload.cpp",
-    "src/techniques/autocast.cpp",
-    "src/techniques/grad_scaler.cpp",
-    "src/techniques/grads.cpp",
-    "src/techniques/optimizer_8bit.cpp",
-    "src/techniques/optimizer_8bit_fused.cpp",
-    "src/techniques/rng.cpp",
-    "src/runtime/chain.cpp",
-    "src/runtime/dataset.cpp",
-    "src/runtime/optimizer.cpp",
-    "src/runtime/step.cpp",
-    "src/runtime/step_config.cpp",
-    "src/runtime/workload.cpp",
-    "src/techniques/checkpoint.cpp",
-    "src/plan/job.cpp",
-    "src/plan/planner.cpp",
-    "src/plan/profile.cpp",
-    "src/plan/peak_moments.cpp",
-    "src/plan/profile_block.cpp",
-    "src/plan/profile_cache.cpp",
-    "src/plan/rank_states.cpp",
-    "src/plan/schedule.cpp",
-    "src/report/document.cpp",
-    "src/report/html_common.cpp",
-    "src/report/html_report.cpp",
-    "src/report/html_timeline.cpp",
-]
+# The layers memfit._C compiles (all below train/), from the one list of sources CMake reads too.
+PYTHON_LAYERS = {"cuda_model", "shared", "measure", "techniques", "runtime", "plan", "report"}
+
+
+def library_sources():
+    with open(os.path.join(ROOT, "cmake", "sources.txt")) as f:
+        rows = [line.split() for line in f if line.strip() and not line.startswith("#")]
+    return [path for layer, path in rows if layer in PYTHON_LAYERS]
+
+
 BINDING_SOURCES = [
     "python/src/bindings.cpp",
     "python/src/bind_measure.cpp",
@@ -94,7 +63,7 @@ def extension():
                 break
     return CppExtension(
         "memfit._C",
-        sources=[os.path.relpath(os.path.join(ROOT, s)) for s in LIBRARY_SOURCES + BINDING_SOURCES],
+        sources=[os.path.relpath(os.path.join(ROOT, s)) for s in library_sources() + BINDING_SOURCES],
         include_dirs=include_dirs,
         define_macros=defines,
         libraries=libraries,
