@@ -1,6 +1,6 @@
 #include "memfit/runtime/torchscript.h"
 
-#include <torch/csrc/jit/python/update_graph_executor_opt.h>
+#include <torch/csrc/jit/runtime/graph_executor.h>
 #include <torch/script.h>
 #include <torch/serialize.h>
 #include <torch/torch.h>
@@ -34,7 +34,14 @@ class ScriptBlock : public torch::nn::Module {
   at::Tensor forward(const at::Tensor& x) { return run({x}); }
 
   // The module's forward on `inputs`; an out-of-memory error inside it stays one.
+  //
+  // It runs op by op, as eager PyTorch runs it, on whichever thread runs it: the graph
+  // executor's optimizing mode differentiates whole graphs itself (DifferentiableGraph), whose
+  // backward ignores autocast's casts (LibTorch 2.11, CUDA: a bf16 step fails with a dtype
+  // mismatch in mm's backward). The setting is thread-local, and a checkpointed block's
+  // recompute runs on autograd's device thread, so it is held here, around every run.
   at::Tensor run(std::vector<c10::IValue> inputs) {
+    torch::jit::GraphOptimizerEnabledGuard op_by_op(false);
     try {
       return module_.forward(std::move(inputs)).toTensor();
     } catch (const c10::OutOfMemoryError&) {
@@ -178,10 +185,6 @@ LossKind parse_loss_kind(const std::string& text) {
 
 Workload load_script_workload(const ScriptWorkloadOptions& o) {
   check_option(!o.data_file.empty(), "data", "(none)", "a TorchScript model needs its data: a file of torch.save({\"inputs\": X, \"targets\": Y})");
-  // Scripted modules run op by op, as eager PyTorch runs them: the graph executor's optimized
-  // mode differentiates whole graphs itself (DifferentiableGraph), whose backward ignores
-  // autocast's casts (LibTorch 2.11: a bf16 step fails with a dtype mismatch in mm's backward).
-  torch::jit::setGraphExecutorOptimize(false);
   torch::jit::Module root = load_module(o.model_file);
   root.train(true);
   auto [inputs, targets] = load_data(o.data_file);
