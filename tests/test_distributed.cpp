@@ -82,6 +82,38 @@ TEST(DistributedTest, BadOptionsAreOneClearLine) {
   EXPECT_EQ(parse_master("127.0.0.1:29500"), std::make_pair(std::string("127.0.0.1"), 29500));
 }
 
+// Each backend carries the tensors it can: NCCL CUDA tensors, Gloo CPU ones (a CUDA tensor
+// reaches Gloo as a host copy); auto picks by the step's device; each rank on CUDA its own GPU.
+TEST(DistributedTest, BackendAndDeviceFollowTheStepsDevice) {
+  DistributedOptions o;
+  o.world_size = 2;
+  EXPECT_EQ(resolve_backend(o), "gloo") << "CPU tensors";
+  o.backend = "nccl";
+  try {
+    resolve_backend(o);
+    FAIL() << "nccl accepted for CPU tensors";
+  } catch (const OptionError& e) {
+    EXPECT_EQ(e.option(), "distributed.backend") << e.what();
+  }
+  o.device = c10::Device(c10::kCUDA, 1);
+  o.backend = "auto";
+  EXPECT_EQ(resolve_backend(o), MEMFIT_WITH_CUDA ? "nccl" : "gloo") << "CUDA tensors: NCCL where built with it";
+  o.backend = "gloo";
+  EXPECT_EQ(resolve_backend(o), "gloo") << "Gloo on CUDA: its tensors go through host copies";
+  o.backend = "mpi";
+  EXPECT_THROW(resolve_backend(o), OptionError);
+
+  unsetenv("LOCAL_RANK");
+  EXPECT_EQ(rank_device(c10::Device(c10::kCUDA), 3), c10::Device(c10::kCUDA, 3)) << "the rank, without LOCAL_RANK";
+  setenv("LOCAL_RANK", "1", 1);
+  EXPECT_EQ(rank_device(c10::Device(c10::kCUDA), 3), c10::Device(c10::kCUDA, 1)) << "LOCAL_RANK, as launch sets it";
+  EXPECT_EQ(rank_device(c10::Device(c10::kCUDA, 0), 3), c10::Device(c10::kCUDA, 0)) << "a GPU named stays";
+  EXPECT_EQ(rank_device(c10::Device(c10::kCPU), 3), c10::Device(c10::kCPU));
+  setenv("LOCAL_RANK", "one", 1);
+  EXPECT_THROW(rank_device(c10::Device(c10::kCUDA), 0), OptionError);
+  unsetenv("LOCAL_RANK");
+}
+
 // Deterministic parameters and per-rank gradients.
 
 // A chain of one block holding `params` themselves (not copies), in order.

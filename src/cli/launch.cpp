@@ -120,6 +120,16 @@ std::vector<std::string> common_flags(const LaunchOptions& o, int port, std::str
   return common;
 }
 
+// This process's environment with NAME=value set (made before fork: the child only execs).
+std::vector<std::string> environment_with(const std::string& name, const std::string& value) {
+  std::vector<std::string> env;
+  for (char** e = environ; *e != nullptr; ++e) {
+    if (std::string(*e).rfind(name + "=", 0) != 0) env.emplace_back(*e);
+  }
+  env.push_back(name + "=" + value);
+  return env;
+}
+
 std::vector<std::string> rank_args(const std::vector<std::string>& common, int r) {
   std::vector<std::string> args{"memfit"};
   args.insert(args.end(), common.begin(), common.end());
@@ -170,7 +180,7 @@ void restore_signal_handlers(Launcher& l) {
 
 // The child after fork: dies with the launcher, has its own process group (a terminal's Ctrl-C
 // reaches the launcher only, which forwards it once), default signal handling.
-[[noreturn]] void exec_rank(pid_t launcher, int out_fd, int err_fd, std::vector<char*>& argv) {
+[[noreturn]] void exec_rank(pid_t launcher, int out_fd, int err_fd, std::vector<char*>& argv, std::vector<char*>& envp) {
   ::prctl(PR_SET_PDEATHSIG, SIGTERM);
   if (::getppid() != launcher) ::_exit(1);
   ::setpgid(0, 0);
@@ -180,7 +190,7 @@ void restore_signal_handlers(Launcher& l) {
   signal(SIGCHLD, SIG_DFL);
   ::dup2(out_fd, 1);
   ::dup2(err_fd, 2);
-  ::execv("/proc/self/exe", argv.data());
+  ::execve("/proc/self/exe", argv.data(), envp.data());
   const std::string msg = std::string("memfit launch: cannot execute /proc/self/exe: ") + std::strerror(errno) + "\n";
   write_all(2, msg);
   ::_exit(127);
@@ -198,10 +208,15 @@ void start_ranks(Launcher& l, int nproc, const std::vector<std::string>& common)
     std::vector<char*> argv;
     for (auto& a : args) argv.push_back(a.data());
     argv.push_back(nullptr);
+    // LOCAL_RANK, as torchrun sets it: a rank training on CUDA takes that GPU (trainer.h).
+    std::vector<std::string> env = environment_with("LOCAL_RANK", std::to_string(r));
+    std::vector<char*> envp;
+    for (auto& e : env) envp.push_back(e.data());
+    envp.push_back(nullptr);
 
     const pid_t pid = ::fork();
     if (pid < 0) throw std::runtime_error(std::string("memfit launch: fork: ") + std::strerror(errno));
-    if (pid == 0) exec_rank(launcher, out[1], err[1], argv);
+    if (pid == 0) exec_rank(launcher, out[1], err[1], argv, envp);
     ::close(out[1]);
     ::close(err[1]);
     auto& rank = l.ranks[static_cast<size_t>(r)];

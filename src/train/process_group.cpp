@@ -93,17 +93,58 @@ void validate(const DistributedOptions& o) {
                "blocks are gathered ahead at ZeRO 3 only; this run is at stage " + std::to_string(o.zero_stage));
   check_option(o.timeout_seconds > 0 && o.timeout_seconds <= 86400, "distributed.timeout", seconds_text(o.timeout_seconds),
                "expected a positive number of seconds, at most a day (86400)");
-  check_option(o.backend == "auto" || o.backend == "gloo" || o.backend == "nccl", "distributed.backend", o.backend,
-               "expected auto, gloo or nccl");
+  resolve_backend(o);
   parse_master(o.master);  // checked even for one process: a typo should not wait for a second rank
 }
 
+std::string resolve_backend(const DistributedOptions& o) {
+  check_option(o.backend == "auto" || o.backend == "gloo" || o.backend == "nccl", "distributed.backend", o.backend,
+               "expected auto, gloo or nccl");
+#if MEMFIT_WITH_CUDA && defined(USE_C10D_NCCL)
+  constexpr bool kHaveNccl = true;
+#else
+  constexpr bool kHaveNccl = false;
+#endif
+  if (o.backend == "nccl") {
+    check_option(kHaveNccl, "distributed.backend", o.backend, "this memfit was built without NCCL (a CUDA LibTorch has it); use gloo");
+    check_option(o.device.is_cuda(), "distributed.backend", o.backend,
+                 "nccl carries CUDA tensors: train on --device cuda, or use gloo on the CPU");
+    return "nccl";
+  }
+  if (o.backend == "gloo") return "gloo";
+  return o.device.is_cuda() && kHaveNccl ? "nccl" : "gloo";
+}
+
+c10::Device rank_device(const c10::Device& device, int rank) {
+  if (!device.is_cuda() || device.has_index()) return device;
+  int local = rank;
+  if (const char* text = std::getenv("LOCAL_RANK"); text != nullptr && *text != '\0') {
+    char* end = nullptr;
+    const long value = std::strtol(text, &end, 10);
+    check_option(*end == '\0' && value >= 0 && value < 1024, "LOCAL_RANK", std::string("'") + text + "'",
+                 "expected this rank's index on its machine, 0 or more");
+    local = static_cast<int>(value);
+  }
+  return c10::Device(c10::kCUDA, static_cast<c10::DeviceIndex>(local));
+}
+
 // --- the c10d group ---------------------------------------------------------------------------
+
+// A CUDA tensor given to Gloo goes through a host copy; what the collective writes comes back
+// once it is done.
+struct HostCopies {
+  std::vector<std::pair<at::Tensor, at::Tensor>> written;  // (the caller's tensor, its host copy)
+  void copy_back() {
+    for (auto& [tensor, host] : written) tensor.copy_(host);
+    written.clear();
+  }
+};
 
 struct ProcessGroup::Impl {
   c10::intrusive_ptr<c10d::Store> store;
   c10::intrusive_ptr<compat::ProcessGroupBackend> group;  // Gloo or NCCL
   std::string backend;
+  c10::Device control_device = c10::Device(c10::kCPU);  // where the group's own small tensors go
   std::string where;  // HOST:PORT of the rendezvous
   double timeout_seconds = 30;
   int rank = 0;
@@ -145,6 +186,14 @@ struct ProcessGroup::Impl {
     failed = true;
     throw DistributedError("rank " + std::to_string(rank) + ": " + what + " failed: " + error +
                            " (another rank exited or stopped answering; timeout " + seconds_text(timeout_seconds) + ")");
+  }
+  // The tensor the backend is given: `t`, or for Gloo a host copy of a CUDA tensor (kept in
+  // `copies` to be written back where the collective writes, `written`).
+  at::Tensor for_backend(const at::Tensor& t, HostCopies& copies, bool written) const {
+    if (backend != "gloo" || !t.is_cuda()) return t;
+    at::Tensor host = t.to(at::kCPU);
+    if (written) copies.written.emplace_back(t, host);
+    return host;
   }
   // Issuing a collective can itself throw (a closed connection found at once).
   template <typename Issue>
@@ -240,7 +289,8 @@ ProcessGroup::ProcessGroup(const DistributedOptions& options) : options_(options
   impl_->where = host + ":" + std::to_string(port);
   impl_->rank = options.rank;
   impl_->timeout_seconds = options.timeout_seconds;
-  impl_->backend = options.backend == "auto" ? "gloo" : options.backend;  // memfit trains on CPU tensors
+  impl_->backend = resolve_backend(options);
+  if (impl_->backend == "nccl") impl_->control_device = options.device;
   QuietLogging quiet;
   impl_->open_store(options, host, port);
   impl_->wait_for_ranks(options.world_size);
@@ -269,46 +319,57 @@ std::string ProcessGroup::backend_name() const { return impl_ ? impl_->backend :
 
 void ProcessGroup::all_reduce_sum(const at::Tensor& tensor, const char* what) {
   if (!impl_) return;
-  std::vector<at::Tensor> tensors{tensor};
+  HostCopies copies;
+  std::vector<at::Tensor> tensors{impl_->for_backend(tensor, copies, true)};
   impl_->wait(impl_->issue(what, [&] { return impl_->group->allreduce(tensors); }), what);
+  copies.copy_back();
 }
 
 void ProcessGroup::reduce_sum(const at::Tensor& tensor, int root, const char* what) {
   if (!impl_) return;
-  std::vector<at::Tensor> tensors{tensor};
+  HostCopies copies;
+  std::vector<at::Tensor> tensors{impl_->for_backend(tensor, copies, true)};
   c10d::ReduceOptions opts;
   opts.rootRank = root;
   impl_->wait(impl_->issue(what, [&] { return impl_->group->reduce(tensors, opts); }), what);
+  copies.copy_back();
 }
 
 void ProcessGroup::broadcast(const at::Tensor& tensor, int root, const char* what) {
   if (!impl_) return;
-  std::vector<at::Tensor> tensors{tensor};
+  HostCopies copies;
+  std::vector<at::Tensor> tensors{impl_->for_backend(tensor, copies, rank() != root)};
   c10d::BroadcastOptions opts;
   opts.rootRank = root;
   impl_->wait(impl_->issue(what, [&] { return impl_->group->broadcast(tensors, opts); }), what);
+  copies.copy_back();
 }
 
 void ProcessGroup::send(const at::Tensor& tensor, int to, const char* what) {
   TORCH_CHECK(impl_ != nullptr, "memfit::ProcessGroup::send: a group of one has no other rank");
-  std::vector<at::Tensor> tensors{tensor};
+  HostCopies copies;
+  std::vector<at::Tensor> tensors{impl_->for_backend(tensor, copies, false)};
   impl_->wait(impl_->issue(what, [&] { return impl_->group->send(tensors, to, 0); }), what);
 }
 
 void ProcessGroup::receive(const at::Tensor& tensor, int from, const char* what) {
   TORCH_CHECK(impl_ != nullptr, "memfit::ProcessGroup::receive: a group of one has no other rank");
-  std::vector<at::Tensor> tensors{tensor};
+  HostCopies copies;
+  std::vector<at::Tensor> tensors{impl_->for_backend(tensor, copies, true)};
   impl_->wait(impl_->issue(what, [&] { return impl_->group->recv(tensors, from, 0); }), what);
+  copies.copy_back();
 }
 
+c10::Device ProcessGroup::control_device() const { return impl_ ? impl_->control_device : c10::Device(c10::kCPU); }
+
 double ProcessGroup::sum(double value, const char* what) {
-  const at::Tensor total = at::tensor({value}, at::kDouble);
+  const at::Tensor total = at::tensor({value}, at::kDouble).to(control_device());
   all_reduce_sum(total, what);
   return total.item<double>();
 }
 
 bool ProcessGroup::any(bool flag, const char* what) {
-  const at::Tensor count = at::tensor({flag ? int64_t{1} : int64_t{0}}, at::kLong);
+  const at::Tensor count = at::tensor({flag ? int64_t{1} : int64_t{0}}, at::kLong).to(control_device());
   all_reduce_sum(count, what);
   return count.item<int64_t>() > 0;
 }
@@ -316,24 +377,30 @@ bool ProcessGroup::any(bool flag, const char* what) {
 std::vector<std::vector<int64_t>> ProcessGroup::all_gather(const std::vector<int64_t>& values, const char* what) {
   if (!impl_) return {values};
   const auto n = static_cast<int64_t>(values.size());
-  std::vector<at::Tensor> input{at::tensor(values, at::kLong)};
+  const c10::Device device = control_device();
+  std::vector<at::Tensor> input{at::tensor(values, at::kLong).to(device)};
   std::vector<std::vector<at::Tensor>> output(1);
-  for (int r = 0; r < world_size(); ++r) output[0].push_back(at::empty({n}, at::kLong));
+  for (int r = 0; r < world_size(); ++r) output[0].push_back(at::empty({n}, at::dtype(at::kLong).device(device)));
   impl_->wait(impl_->issue(what, [&] { return impl_->group->allgather(output, input); }), what);
   std::vector<std::vector<int64_t>> result;
-  for (const auto& t : output[0]) result.emplace_back(t.data_ptr<int64_t>(), t.data_ptr<int64_t>() + n);
+  for (const auto& gathered : output[0]) {
+    const at::Tensor t = gathered.cpu();
+    result.emplace_back(t.data_ptr<int64_t>(), t.data_ptr<int64_t>() + n);
+  }
   return result;
 }
 
 std::string ProcessGroup::broadcast_string(const std::string& text, int root, const char* what) {
   if (!impl_) return text;
   // The length first, then the characters, one int64 each (a type every backend reduces).
-  const at::Tensor length = at::tensor({static_cast<int64_t>(text.size())}, at::kLong);
+  const c10::Device device = control_device();
+  const at::Tensor length = at::tensor({static_cast<int64_t>(text.size())}, at::kLong).to(device);
   broadcast(length, root, what);
   const int64_t n = length.item<int64_t>();
-  at::Tensor chars = rank() == root ? at::tensor(std::vector<int64_t>(text.begin(), text.end()), at::kLong)
-                                    : at::empty({n}, at::kLong);
+  at::Tensor chars = rank() == root ? at::tensor(std::vector<int64_t>(text.begin(), text.end()), at::kLong).to(device)
+                                    : at::empty({n}, at::dtype(at::kLong).device(device));
   if (n > 0) broadcast(chars, root, what);
+  chars = chars.cpu();
   const int64_t* data = chars.data_ptr<int64_t>();
   return std::string(data, data + n);
 }
@@ -357,6 +424,7 @@ void ProcessGroup::check_same_on_all_ranks(const std::vector<std::pair<std::stri
 
 struct PendingCollectives::Works {
   std::vector<Work> works;
+  HostCopies copies;
 };
 
 PendingCollectives::PendingCollectives(ProcessGroup& group, const char* what)
@@ -373,7 +441,7 @@ PendingCollectives::~PendingCollectives() {
 void PendingCollectives::broadcast(const at::Tensor& tensor, int root) {
   if (!group_.impl_) return;
   auto& impl = *group_.impl_;
-  std::vector<at::Tensor> tensors{tensor};
+  std::vector<at::Tensor> tensors{impl.for_backend(tensor, works_->copies, group_.rank() != root)};
   c10d::BroadcastOptions opts;
   opts.rootRank = root;
   works_->works.push_back(impl.issue(what_, [&] { return impl.group->broadcast(tensors, opts); }));
@@ -382,14 +450,14 @@ void PendingCollectives::broadcast(const at::Tensor& tensor, int root) {
 void PendingCollectives::all_reduce_sum(const at::Tensor& tensor) {
   if (!group_.impl_) return;
   auto& impl = *group_.impl_;
-  std::vector<at::Tensor> tensors{tensor};
+  std::vector<at::Tensor> tensors{impl.for_backend(tensor, works_->copies, true)};
   works_->works.push_back(impl.issue(what_, [&] { return impl.group->allreduce(tensors); }));
 }
 
 void PendingCollectives::reduce_sum(const at::Tensor& tensor, int root) {
   if (!group_.impl_) return;
   auto& impl = *group_.impl_;
-  std::vector<at::Tensor> tensors{tensor};
+  std::vector<at::Tensor> tensors{impl.for_backend(tensor, works_->copies, true)};
   c10d::ReduceOptions opts;
   opts.rootRank = root;
   works_->works.push_back(impl.issue(what_, [&] { return impl.group->reduce(tensors, opts); }));
@@ -398,20 +466,21 @@ void PendingCollectives::reduce_sum(const at::Tensor& tensor, int root) {
 void PendingCollectives::send(const at::Tensor& tensor, int to, int tag) {
   if (!group_.impl_) return;
   auto& impl = *group_.impl_;
-  std::vector<at::Tensor> tensors{tensor};
+  std::vector<at::Tensor> tensors{impl.for_backend(tensor, works_->copies, false)};
   works_->works.push_back(impl.issue(what_, [&] { return impl.group->send(tensors, to, tag); }));
 }
 
 void PendingCollectives::receive(const at::Tensor& tensor, int from, int tag) {
   if (!group_.impl_) return;
   auto& impl = *group_.impl_;
-  std::vector<at::Tensor> tensors{tensor};
+  std::vector<at::Tensor> tensors{impl.for_backend(tensor, works_->copies, true)};
   works_->works.push_back(impl.issue(what_, [&] { return impl.group->recv(tensors, from, tag); }));
 }
 
 void PendingCollectives::wait() {
   if (!group_.impl_) return;
   group_.impl_->wait(works_->works, what_);
+  works_->copies.copy_back();
 }
 
 }  // namespace memfit

@@ -1,5 +1,6 @@
 // process_group.h — the ranks of a data-parallel run, over torch.distributed's C++ core (c10d):
-// a TCPStore rendezvous on rank 0, then Gloo (CPU) or NCCL (a CUDA build). A group of one
+// a TCPStore rendezvous on rank 0, then Gloo (CPU tensors) or NCCL (CUDA tensors, in a CUDA
+// build). A group of one
 // process needs no c10d at all: its collectives return at once, so code above it runs the same
 // whether it is one of N ranks or alone.
 //
@@ -16,6 +17,7 @@
 #pragma once
 
 #include <ATen/ATen.h>
+#include <c10/core/Device.h>
 
 #include <memory>
 #include <stdexcept>
@@ -32,9 +34,22 @@ struct DistributedOptions {
   int zero_stage = 0;                   // 0 to 3: which strategy (strategy.h)
   int prefetch_depth = -1;              // ZeRO 3: blocks gathered ahead, 0 to 2; -1: the plan chooses
   double timeout_seconds = 30;          // rendezvous and every collective
-  std::string backend = "auto";         // auto (gloo on CPU) | gloo | nccl
+  std::string backend = "auto";         // auto (nccl for CUDA tensors, else gloo) | gloo | nccl
+  // The device of the tensors the group carries: the step's (the Trainer sets it). NCCL carries
+  // CUDA tensors and its small control tensors on that GPU; Gloo is only ever given CPU tensors
+  // (a CUDA tensor goes through a host copy).
+  c10::Device device = c10::Device(c10::kCPU);
   bool enabled() const { return world_size > 1; }
 };
+
+// The backend options.backend names, auto resolved: NCCL where the tensors are on CUDA and this
+// build has NCCL, Gloo otherwise. Throws OptionError("distributed.backend", ...) for nccl with
+// CPU tensors or a build without NCCL.
+std::string resolve_backend(const DistributedOptions& options);
+
+// The device a rank trains on: CUDA without an index is one GPU per local rank (LOCAL_RANK, as
+// `memfit launch` and torchrun set it; else the rank); any other device as it is.
+c10::Device rank_device(const c10::Device& device, int rank);
 
 // Throws OptionError naming the option (distributed.world_size, .rank, .master, .timeout,
 // .backend, zero_stage, prefetch_depth).
@@ -64,6 +79,8 @@ class ProcessGroup {
   int world_size() const { return options_.world_size; }
   const DistributedOptions& options() const { return options_; }
   std::string backend_name() const;  // "gloo", "nccl", or "none" for a group of one
+  // Where the group's own small tensors (sums, flags, texts) live: the GPU for NCCL, else the CPU.
+  c10::Device control_device() const;
 
   // Collectives on one tensor each; each returns when it is done on this rank.
   void all_reduce_sum(const at::Tensor& tensor, const char* what);
