@@ -48,7 +48,7 @@ void round(Workload& w, const Batch& data, const StepOptions& so, MemoryTracker&
       train_step(w, optimizer, data, so);
       if (s == 0) continue;
       r.times.push_back(std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count());
-      r.peak = std::max(r.peak, tracker.peak());
+      r.peak = std::max(r.peak, tracker.peak(MemoryDevice::kCPU));
     }
   } catch (const c10::OutOfMemoryError&) {
     zero_grad(params, true);

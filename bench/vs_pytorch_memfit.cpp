@@ -67,7 +67,7 @@ Measured measure(Workload& w, const Batch& data, const StepOptions& so, MemoryTr
       train_step(w, optimizer, data, so);
       if (s == 0) continue;
       times.push_back(std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count());
-      r.peak = std::max(r.peak, tracker.peak());
+      r.peak = std::max(r.peak, tracker.peak(MemoryDevice::kCPU));
     }
   } catch (const c10::OutOfMemoryError&) {
     zero_grad(params, true);  // the failed step's partial gradients
@@ -182,7 +182,7 @@ int main(int argc, char** argv) {
       scope.emplace(tracker);
       adopt_tensors(*tracker, w.chain->parameters());
       adopt_tensors(*tracker, w.chain->buffers());
-      outside_budget = BudgetAllocator::install().allocated() - tracker->current();
+      outside_budget = BudgetAllocator::install().allocated() - tracker->current(MemoryDevice::kCPU);
     }
   } catch (const std::exception& e) {
     std::fprintf(stderr, "vs_pytorch_memfit: %s\n", e.what());

@@ -134,12 +134,12 @@ TEST(CheckpointTest, WhatASegmentSavesIsFreedByItsBackwardUnlessTheGraphIsRetain
   const auto block = [&](const at::Tensor& in) { return torch::dropout(linear(in), 0.5, true); };
   const at::Tensor x = torch::randn({4, 8});
   checkpoint(block, x, linear->parameters()).sum().backward();  // the gradients made: later runs add into them
-  const int64_t before = tracker->current();
+  const int64_t before = tracker->current(test::cpu_counted());
   at::Tensor loss = checkpoint(block, x, linear->parameters()).sum();
   const auto random_state = static_cast<int64_t>(capture_rng(x.device()).cpu.nbytes());
-  EXPECT_EQ(tracker->current() - before, static_cast<int64_t>(loss.nbytes()) + random_state);
+  EXPECT_EQ(tracker->current(test::cpu_counted()) - before, static_cast<int64_t>(loss.nbytes()) + random_state);
   loss.backward();
-  EXPECT_EQ(tracker->current() - before, static_cast<int64_t>(loss.nbytes())) << "the loss alone, its graph emptied";
+  EXPECT_EQ(tracker->current(test::cpu_counted()) - before, static_cast<int64_t>(loss.nbytes())) << "the loss alone, its graph emptied";
 
   linear->zero_grad();
   loss = checkpoint(block, x, linear->parameters()).sum();

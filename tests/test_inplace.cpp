@@ -103,7 +103,7 @@ Planner measured_planner(Workload& w, const Batch& data, MemoryTracker& tracker)
   adopt_tensors(tracker, w.chain->buffers());
   PlanRequest request;
   request.step.batch = data.size();
-  request.resident_bytes = std::max<int64_t>(0, BudgetAllocator::install().allocated() - tracker.current());
+  request.resident_bytes = untracked_bytes(tracker, c10::Device(c10::kCPU));
   return measure_and_plan(w, data, {Precision::kFP32}, request, tracker);
 }
 

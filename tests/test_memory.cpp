@@ -12,18 +12,18 @@ class MemoryTest : public ::testing::Test {
 TEST_F(MemoryTest, CountsExactTensorBytesAndPeak) {
   auto tracker = std::make_shared<MemoryTracker>();
   TrackerScope scope(tracker);
-  EXPECT_EQ(tracker->current(), 0);
+  EXPECT_EQ(tracker->current(test::cpu_counted()), 0);
   {
     auto a = torch::empty({1000}, torch::kFloat);   // 4000 bytes
     auto b = torch::empty({10, 10}, torch::kDouble);  // 800 bytes
-    EXPECT_EQ(tracker->current(), 4800);
+    EXPECT_EQ(tracker->current(test::cpu_counted()), 4800);
   }
-  EXPECT_EQ(tracker->current(), 0);
-  EXPECT_EQ(tracker->peak(), 4800);
+  EXPECT_EQ(tracker->current(test::cpu_counted()), 0);
+  EXPECT_EQ(tracker->peak(test::cpu_counted()), 4800);
   tracker->reset_peak();
-  EXPECT_EQ(tracker->peak(), 0);
+  EXPECT_EQ(tracker->peak(test::cpu_counted()), 0);
   auto c = torch::empty({3}, torch::kByte);
-  EXPECT_EQ(tracker->peak(), 3);
+  EXPECT_EQ(tracker->peak(test::cpu_counted()), 3);
 }
 
 TEST_F(MemoryTest, IgnoresFreesOfTensorsMadeBeforeIt) {
@@ -31,7 +31,7 @@ TEST_F(MemoryTest, IgnoresFreesOfTensorsMadeBeforeIt) {
   auto tracker = std::make_shared<MemoryTracker>();
   TrackerScope scope(tracker);
   before = at::Tensor();
-  EXPECT_EQ(tracker->current(), 0);
+  EXPECT_EQ(tracker->current(test::cpu_counted()), 0);
 }
 
 TEST_F(MemoryTest, SeesAllocationsMadeDuringBackwardAndPhasePeaks) {
@@ -57,8 +57,8 @@ TEST_F(MemoryTest, SeesAllocationsMadeDuringBackwardAndPhasePeaks) {
   // At least the 64x64 float gradient of w is allocated in backward.
   EXPECT_GE(backward_allocated, 64 * 64 * 4);
   EXPECT_EQ(w.grad().storage().nbytes(), 64u * 64u * 4u);
-  EXPECT_GT(tracker->phase_peak(Phase::kBackward), 0);
-  EXPECT_GT(tracker->phase_peak(Phase::kForward), 0);
+  EXPECT_GT(tracker->phase_peak(Phase::kBackward, test::cpu_counted()), 0);
+  EXPECT_GT(tracker->phase_peak(Phase::kForward, test::cpu_counted()), 0);
   EXPECT_GE(tracker->phase_time_ns(Phase::kForward), 0);
 }
 
@@ -68,13 +68,13 @@ TEST_F(MemoryTest, TrackerIsPerThreadUntilInstalledThere) {
     TrackerScope scope(tracker);
     std::thread other([] { auto t = torch::empty({1000}); });  // not installed there
     other.join();
-    EXPECT_EQ(tracker->peak(), 0);
+    EXPECT_EQ(tracker->peak(test::cpu_counted()), 0);
     std::thread installed([tracker] {
       TrackerScope there(tracker);
       auto t = torch::empty({1000});
     });
     installed.join();
-    EXPECT_EQ(tracker->peak(), 4000);
+    EXPECT_EQ(tracker->peak(test::cpu_counted()), 4000);
   }
 }
 
@@ -106,7 +106,7 @@ TEST_F(MemoryTest, BudgetAllocatorReportsToTracker) {
   auto& alloc = BudgetAllocator::install();
   const int64_t before = alloc.allocated();
   auto t = torch::empty({12345}, torch::kFloat);
-  EXPECT_EQ(tracker->current(), 12345 * 4);
+  EXPECT_EQ(tracker->current(test::cpu_counted()), 12345 * 4);
   EXPECT_EQ(alloc.allocated() - before, 12345 * 4);
 }
 

@@ -28,9 +28,9 @@ TEST(MemorySpaceTest, HostBytesAreCountedApartAndNeverRefused) {
   EXPECT_EQ(alloc.host_allocated() - host_before, 4 << 20);
   EXPECT_EQ(alloc.allocated(), device_before);
   EXPECT_EQ(tracker->current(MemoryDevice::kHost), 4 << 20);
-  EXPECT_EQ(tracker->current(MemoryDevice::kCPU), 0);
+  EXPECT_EQ(tracker->current(test::cpu_counted()), 0);
   const at::Tensor back = copy_to_device(host, c10::kCPU);  // a copy back is device bytes
-  EXPECT_EQ(tracker->current(MemoryDevice::kCPU), 4 << 20);
+  EXPECT_EQ(tracker->current(test::cpu_counted()), 4 << 20);
   EXPECT_TRUE(back.equal(host));
   host.reset();
   EXPECT_EQ(tracker->current(MemoryDevice::kHost), 0);
@@ -87,7 +87,7 @@ OffloadRun run_steps(bool offloaded) {
     for (const auto& p : w.chain->parameters()) weights.push_back(p.detach().clone());
     r.weights.push_back(std::move(weights));
   }
-  r.device_live_after = tracker->current(MemoryDevice::kCPU);
+  r.device_live_after = tracker->current(test::cpu_counted());
   r.host_live_after = tracker->current(MemoryDevice::kHost);
   r.host_peak = tracker->peak(MemoryDevice::kHost);
   return r;
@@ -128,7 +128,7 @@ ActivationRun run_with_offloaded(const std::vector<int>& blocks) {
   forward_backward(w, batch, 1.0, StepOptions{c});
   ActivationRun r;
   r.grads = test::grads_of(*w.chain);
-  r.device_peak = tracker->peak(MemoryDevice::kCPU);
+  r.device_peak = tracker->peak(test::cpu_counted());
   r.host_peak = tracker->peak(MemoryDevice::kHost);
   r.host_after = tracker->current(MemoryDevice::kHost);
   return r;
@@ -162,8 +162,8 @@ int64_t device_bytes_when_next_block_is_reached(bool prefetch) {
   const at::Tensor b = a.exp();  // the block after it (plain)
   if (prefetch) prefetch_when_reached(b, saved);
   int64_t device_then = -1;
-  b.register_hook([&](const at::Tensor&) { device_then = tracker->current(MemoryDevice::kCPU); });
-  const int64_t before_backward = tracker->current(MemoryDevice::kCPU);
+  b.register_hook([&](const at::Tensor&) { device_then = tracker->current(test::cpu_counted()); });
+  const int64_t before_backward = tracker->current(test::cpu_counted());
   b.sum().backward();
   return device_then - before_backward;
 }

@@ -305,10 +305,10 @@ TEST(Optimizer8BitTest, StateBytesAreAQuarterOfFp32AsTheTrackerCounts) {
   const int64_t maps = dynamic_maps_bytes();  // made once per process, here if not before
   EXPECT_EQ(maps, 2 * (4 * 256 + 4 * 255 + 65536 + 4 * 65536));
   for (auto& p : model->parameters()) p.mutable_grad() = at::randn_like(p);
-  const int64_t before = tracker->current();
+  const int64_t before = tracker->current(test::cpu_counted());
   Adam8bit optimizer(model->parameters());
   optimizer.step();
-  const int64_t state = tracker->current() - before;
+  const int64_t state = tracker->current(test::cpu_counted()) - before;
   int64_t expected = 0;  // one byte per value and an fp32 absmax per block, per moment
   for (const auto& p : model->parameters()) {
     expected += p.numel() < kMin8bitNumel ? 8 * p.numel() : 2 * (p.numel() + 4 * num_quant_blocks(p.numel()));

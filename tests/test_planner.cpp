@@ -21,7 +21,7 @@ void check_budgets(ModelOptions model, int64_t batch) {
     for (int step = 0; step < 2; ++step) {
       tracker->reset_peak();
       train_step(w, optimizer, data, StepOptions{plain});
-      plain_peak = tracker->peak();
+      plain_peak = tracker->peak(test::cpu_counted());
     }
   }
   PlanRequest request;

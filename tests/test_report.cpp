@@ -159,9 +159,9 @@ TEST(CudaReservedTest, LargeTwoMiBMultiplesReserveExactlyTheirBytes) {
   for (int64_t mib = 10; mib <= 40; mib += 2) kept.push_back(torch::empty({mib << 20}, torch::kUInt8));
   tracker->stop_recording();
   const CudaReservedPrediction p =
-      predict_cuda_reserved(recorded_trace(*tracker), MemoryDevice::kCPU, cuda_prediction_options_from_env());
-  EXPECT_EQ(p.peak_reserved, tracker->peak());
-  EXPECT_EQ(p.peak_allocated, tracker->peak());
+      predict_cuda_reserved(recorded_trace(*tracker), test::cpu_counted(), cuda_prediction_options_from_env());
+  EXPECT_EQ(p.peak_reserved, tracker->peak(test::cpu_counted()));
+  EXPECT_EQ(p.peak_allocated, tracker->peak(test::cpu_counted()));
 }
 
 // Sets an environment variable for a scope, then removes it.

@@ -241,7 +241,7 @@ std::optional<LeakReport> run_loop(bool keep_losses, int steps) {
   std::vector<at::Tensor> kept;
   std::optional<LeakReport> report;
   for (int step = 1; step <= steps; ++step) {
-    if (auto r = detector.observe(step, tracker->current())) report = r;
+    if (auto r = detector.observe(step, tracker->current(test::cpu_counted()))) report = r;
     auto x = torch::randn({16, 32});
     auto loss = model->forward(x).pow(2).mean();
     loss.backward();

@@ -22,6 +22,11 @@ inline ModelOptions small_gpt(uint64_t seed = 0) {
   return o;
 }
 
+// The counted device of the CPU, where these tests run: kCPU, or kCUDA in the counted-as-CUDA
+// mode (MEMFIT_COUNT_CPU_AS=cuda: memory_tracker.h), under which the suite's plan, train and
+// report tests run a second time with the same numbers.
+inline MemoryDevice cpu_counted() { return memory_device_of(c10::Device(c10::kCPU)); }
+
 // Installs memfit's allocator once per process, so every test counts through the same path
 // as the CLI.
 inline void use_memfit_allocator() { BudgetAllocator::install(); }

@@ -163,7 +163,7 @@ class track:
         return _Patched(torch.autograd, "backward", tracked_backward, instance=False)
 
     def __enter__(self):
-        self._tracker = _C.Tracker()
+        self._tracker = _C.Tracker(str(self.device))
         self._tracker.adopt(sum(self._roles(), []))
         self._tracker.start_recording()
         self._install = _C.TrackerInstall(self._tracker)
@@ -183,7 +183,7 @@ class track:
             self._install.close()
             self._tracker.stop_recording()
         groups, tag_group = self._groups()
-        self._analysis = self._tracker.analyze(tag_group, [g for g in groups], self.device.type)
+        self._analysis = self._tracker.analyze(tag_group, [g for g in groups])
         a = self._analysis
         self.peak_bytes = a.peak_bytes
         self.categories = a.categories()

@@ -33,7 +33,6 @@ Phase phase_from_name(const std::string& name) {
   throw std::invalid_argument("invalid phase " + name + ": expected other, data, forward, backward, recompute, optimizer or eval");
 }
 
-MemoryDevice device_of(const std::string& device) { return device == "cuda" ? MemoryDevice::kCUDA : MemoryDevice::kCPU; }
 
 // The tracker installed on this thread until close() (TrackerScope's lifetime, driven by Python).
 struct TrackerInstall {
@@ -116,31 +115,30 @@ void bind_measure(py::module_& m) {
 
   py::class_<StorageWatch>(m, "StorageWatch").def(py::init<const at::Tensor&>()).def("alive", &StorageWatch::alive);
 
+  // A tracker of one device: Tracker("cpu"), Tracker("cuda:0"); its counts are that device's.
   py::class_<Tracker>(m, "Tracker")
-      .def(py::init<>())
-      .def("current", [](const Tracker& t, const std::string& d) { return t.tracker->current(device_of(d)); },
-           py::arg("device") = "cpu")
-      .def("peak", [](const Tracker& t, const std::string& d) { return t.tracker->peak(device_of(d)); },
-           py::arg("device") = "cpu")
+      .def(py::init<const std::string&>(), py::arg("device"))
+      .def_property_readonly("device", [](const Tracker& t) { return t.device.str(); })
+      .def("current", [](const Tracker& t) { return t.tracker->current(t.counted); })
+      .def("peak", [](const Tracker& t) { return t.tracker->peak(t.counted); })
       .def("reset_peak", [](Tracker& t) { t.tracker->reset_peak(); })
       .def("start_recording", [](Tracker& t) { t.snapshots.clear(); t.tracker->start_recording(); })
       .def("stop_recording", [](Tracker& t) { t.tracker->stop_recording(); })
       .def("event_count", [](const Tracker& t) { return t.tracker->events().size(); })
-      // The moments (plan/peak_moments.h) of the recorded events [first, last) on the CPU.
+      // The moments (plan/peak_moments.h) of the recorded events [first, last) on the tracker's device.
       .def("peak_moments",
            [](const Tracker& t, size_t first, size_t last, int64_t start_live, int64_t offset, int64_t peak) {
-             return peak_moments(t.tracker->events(), first, last, MemoryDevice::kCPU, start_live, offset, peak);
+             return peak_moments(t.tracker->events(), first, last, t.counted, start_live, offset, peak);
            })
       .def("adopt", [](Tracker& t, const std::vector<at::Tensor>& tensors) { adopt_tensors(*t.tracker, tensors); })
       .def("snapshot", &Tracker::snapshot, py::arg("weights"), py::arg("buffers"), py::arg("gradients"),
            py::arg("optimizer_state"))
       .def("live_bytes_by_tag", &Tracker::live_bytes_by_tag)
       .def("analyze",
-           [](const Tracker& t, const std::vector<int>& tag_group, const std::vector<std::string>& groups,
-              const std::string& device) {
+           [](const Tracker& t, const std::vector<int>& tag_group, const std::vector<std::string>& groups) {
              py::gil_scoped_release release;
              Analysis a;
-             a.result = analyze_tracked(*t.tracker, t.snapshots, tag_group, static_cast<int>(groups.size()), device_of(device));
+             a.result = analyze_tracked(*t.tracker, t.snapshots, tag_group, static_cast<int>(groups.size()), t.counted);
              a.group_names = groups;
              return a;
            });
@@ -182,6 +180,17 @@ void bind_measure(py::module_& m) {
         write_html_report(path, doc);
       });
 
+  // Device memory the caching allocator does not hold (the CUDA context, cuBLAS's handle): what
+  // a budget on CUDA leaves the allocator less of. Measured once per device by the caller.
+  m.def("measure_outside_memory", [](int device) {
+    const OutsideMemory o = measure_outside_memory(device);
+    py::dict d;
+    d["device_total"] = o.device_total;
+    d["context_and_others"] = o.context_and_others;
+    d["cublas"] = o.cublas;
+    d["total"] = o.total();
+    return d;
+  });
   py::class_<FractionGuard>(m, "CudaMemoryFraction")
       .def(py::init<int64_t, int>())
       .def("close", &FractionGuard::close)

@@ -5,6 +5,7 @@
 #include <ATen/ATen.h>
 
 #include <memory>
+#include <string>
 #include <unordered_map>
 #include <vector>
 
@@ -21,9 +22,13 @@ inline std::vector<const void*> storage_ptrs(const std::vector<at::Tensor>& tens
   return out;
 }
 
-// A tracker with the role snapshots taken while it recorded.
+// A tracker with the role snapshots taken while it recorded, counting one device (the model's:
+// every count Python reads is that device's, memory_device_of).
 struct Tracker {
+  explicit Tracker(const std::string& device_name) : device(device_name), counted(memory_device_of(device)) {}
   std::shared_ptr<MemoryTracker> tracker = std::make_shared<MemoryTracker>();
+  c10::Device device;
+  MemoryDevice counted;
   std::vector<RoleSnapshot> snapshots;
 
   void snapshot(const std::vector<at::Tensor>& weights, const std::vector<at::Tensor>& buffers,
@@ -40,6 +45,7 @@ struct Tracker {
   std::vector<int64_t> live_bytes_by_tag(int blocks) const {
     std::unordered_map<const void*, std::pair<int16_t, int64_t>> live;
     for (const auto& e : tracker->events()) {
+      if (e.device != counted) continue;
       if (e.delta > 0) {
         live[e.ptr] = {e.block, e.delta};
       } else {

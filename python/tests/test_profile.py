@@ -19,7 +19,7 @@ def test_peaks_at_an_unprofiled_size_equal_the_measured_ones():
     # the peaks at 2 and 4 falls short.
     model = GPT(d=128, heads=4, layers=1, seq=16, dropout=0.0)
     batch = gpt_batch(batch=8, seq=16)
-    tracker = _C.Tracker()
+    tracker = _C.Tracker("cpu")
     install = _C.TrackerInstall(tracker)
     try:
         profiler = Profiler(model, gpt_loss, batch, _blocks.find_blocks(model), torch.device("cpu"), tracker,

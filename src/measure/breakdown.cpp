@@ -188,7 +188,7 @@ KnownStorage known_storage(const std::vector<at::Tensor>& parameters, const std:
 void adopt_tensors(MemoryTracker& tracker, const std::vector<at::Tensor>& tensors) {
   for (const auto& t : tensors) {
     if (!t.defined() || !t.has_storage()) continue;
-    const MemoryDevice device = t.is_cuda() ? MemoryDevice::kCUDA : MemoryDevice::kCPU;
+    const MemoryDevice device = memory_device_of(t.device());
     tracker.adopt(t.storage().data(), static_cast<int64_t>(t.storage().nbytes()), device);
   }
 }

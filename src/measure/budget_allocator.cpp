@@ -8,6 +8,7 @@
 #include <string>
 
 #include "memfit/measure/memory_space.h"
+#include "memfit/measure/memory_tracker.h"
 #include "memfit/measure/size.h"
 
 namespace memfit {
@@ -56,7 +57,7 @@ c10::DataPtr BudgetAllocator::allocate(size_t nbytes) MEMFIT_ALLOCATE_CONST {
   if (injected || after > budget_.load()) {
     allocated_.fetch_sub(n);
     ooms_.fetch_add(1);
-    c10::reportOutOfMemoryToProfiler(n, after - n, after - n, cpu);
+    c10::reportOutOfMemoryToProfiler(n, after - n, after - n, cpu_reported_device());
     const int64_t budget = budget_.load();
     TORCH_CHECK_WITH(OutOfMemoryError, false, "memfit: CPU out of memory",
                      injected ? " (injected)" : "", ": tried to allocate ", format_bytes(n),
@@ -79,8 +80,9 @@ c10::DataPtr BudgetAllocator::with_header(int64_t n, bool host, int64_t total) {
   std::memcpy(base, &n, sizeof(n));
   base[kHostFlagOffset] = host ? 1 : 0;
   void* data = base + kHeader;
-  // The tracker tells the pools apart by the thread's space (memory_tracker.cpp).
-  c10::reportMemoryUsageToProfiler(data, n, total, total, cpu);
+  // The tracker tells the pools apart by the thread's space (memory_tracker.cpp); the device
+  // pool is reported as the device it is counted as (cuda:0 in the counted-as-CUDA mode).
+  c10::reportMemoryUsageToProfiler(data, n, total, total, host ? cpu : cpu_reported_device());
   return c10::DataPtr(data, data, &Delete, cpu);
 }
 
@@ -90,9 +92,10 @@ void BudgetAllocator::Delete(void* data) {
   int64_t n = 0;
   std::memcpy(&n, base, sizeof(n));
   BudgetAllocator* self = g_installed.load();
-  auto& pool = base[kHostFlagOffset] != 0 ? self->host_allocated_ : self->allocated_;
+  const bool host = base[kHostFlagOffset] != 0;
+  auto& pool = host ? self->host_allocated_ : self->allocated_;
   const int64_t after = pool.fetch_sub(n) - n;
-  c10::reportMemoryUsageToProfiler(data, -n, after, after, c10::Device(c10::kCPU));
+  c10::reportMemoryUsageToProfiler(data, -n, after, after, host ? c10::Device(c10::kCPU) : cpu_reported_device());
   c10::free_cpu(base);
 }
 

@@ -1,6 +1,10 @@
 #include "memfit/measure/cuda_reserved.h"
 
 #include <algorithm>
+#include <cstdlib>
+#include <regex>
+#include <stdexcept>
+#include <string>
 
 #include "memfit/compat.h"
 
@@ -10,9 +14,11 @@ namespace {
 // The trace as allocator events of one device: the allocations alive at the start first.
 // *series_index: where event `series_from` of the trace lands among them.
 std::vector<AllocationEvent> device_events(const AllocationTrace& trace, MemoryDevice device, size_t series_from,
-                                           size_t* series_index) {
+                                           size_t* series_index, const std::vector<int64_t>& workspaces = {}) {
   std::vector<AllocationEvent> out;
-  out.reserve(trace.live_at_start.size() + trace.events.size());
+  out.reserve(workspaces.size() + trace.live_at_start.size() + trace.events.size());
+  // Odd addresses: no tensor's storage starts at one.
+  for (size_t k = 0; k < workspaces.size(); ++k) out.push_back({reinterpret_cast<const void*>(2 * k + 1), workspaces[k]});
   for (const LiveAllocation& a : trace.live_at_start) {
     if (a.device == device) out.push_back({a.ptr, a.bytes});
   }
@@ -72,10 +78,31 @@ CudaPredictionOptions cuda_prediction_options_from_env() {
   return o;
 }
 
+int64_t cublas_workspace_bytes(int major) {
+  const char* config = std::getenv("CUBLAS_WORKSPACE_CONFIG");
+  int64_t total = 0;
+  if (config != nullptr) {
+    static const std::regex pair(":([0-9]+):([0-9]+)");
+    const std::string text(config);
+    try {
+      for (auto it = std::sregex_iterator(text.begin(), text.end(), pair); it != std::sregex_iterator(); ++it) {
+        total += std::stoll((*it)[1].str()) * 1024 * std::stoll((*it)[2].str());
+      }
+    } catch (const std::out_of_range&) {
+      total = 0;  // as LibTorch does with a value it cannot read: the default
+    }
+  }
+  if (total > 0) return total;
+  const bool large = major == 9 || major == 10 || major == 12;
+  return large ? int64_t{4096} * 8 * 1024 : int64_t{4096} * 1024 * 2 + int64_t{16} * 1024 * 8;
+}
+
+std::vector<int64_t> training_workspaces(int major) { return std::vector<int64_t>(2, cublas_workspace_bytes(major)); }
+
 CudaReservedPrediction predict_cuda_reserved(const AllocationTrace& trace, MemoryDevice device,
                                              const CudaPredictionOptions& options, size_t series_from) {
   size_t series_index = 0;
-  const std::vector<AllocationEvent> events = device_events(trace, device, series_from, &series_index);
+  const std::vector<AllocationEvent> events = device_events(trace, device, series_from, &series_index, options.workspaces);
   const OutsideTrace outside = outside_trace(trace, device, options);
   const int64_t limit = options.limit_bytes > 0 ? std::max<int64_t>(1, options.limit_bytes - outside.reserved) : 0;
   CudaAllocatorModel model({options.rules, options.conf, limit});
@@ -92,6 +119,7 @@ CudaReservedPrediction predict_cuda_reserved(const AllocationTrace& trace, Memor
   p.peak_allocated = replay.peak_allocated + outside.allocated;
   p.num_alloc_retries = replay.num_alloc_retries;
   p.num_ooms = replay.num_ooms;
+  for (int64_t w : options.workspaces) p.workspace_bytes += w;
   p.reserved_series = replay.reserved_series;
   return p;
 }
@@ -99,6 +127,9 @@ CudaReservedPrediction predict_cuda_reserved(const AllocationTrace& trace, Memor
 nlohmann::json cuda_prediction_json(const CudaReservedPrediction& p) {
   return {{"cuda_reserved_peak_bytes", p.peak_reserved},
           {"cuda_allocated_peak_bytes", p.peak_allocated},
+          {"cuda_num_alloc_retries", p.num_alloc_retries},
+          {"cuda_num_ooms", p.num_ooms},
+          {"cuda_workspace_bytes", p.workspace_bytes},
           {"cuda_reserved_outside_trace_bytes", p.reserved_outside_trace},
           {"cuda_allocator_rules", cuda_allocator_rules_name(p.rules)},
           {"cuda_allocator_conf", conf_json(p.conf)}};

@@ -8,6 +8,9 @@
 #include <future>
 
 #include "memfit/compat.h"
+#include "memfit/measure/budget_allocator.h"
+#include "memfit/measure/cuda_budget.h"
+#include "memfit/measure/memory_tracker.h"
 
 #if MEMFIT_WITH_CUDA
 #include <ATen/cuda/CUDAEvent.h>
@@ -144,6 +147,15 @@ double measure_copy_bytes_per_second(const c10::Device& device) {
     if (s > 0) best = std::max(best, 2.0 * kBytes / s);
   }
   return best;
+}
+
+int64_t allocated_on(const c10::Device& device) {
+  if (device.is_cuda()) return cuda_allocator_counters(device.has_index() ? device.index() : 0).allocated;
+  return BudgetAllocator::install().allocated();
+}
+
+int64_t untracked_bytes(const MemoryTracker& tracker, const c10::Device& device) {
+  return std::max<int64_t>(0, allocated_on(device) - tracker.current(memory_device_of(device)));
 }
 
 }  // namespace memfit

@@ -2,9 +2,11 @@
 
 #include "memfit/measure/memory_space.h"
 
-#include <utility>
-
 #include <algorithm>
+#include <atomic>
+#include <cstdlib>
+#include <string>
+#include <utility>
 
 namespace memfit {
 
@@ -19,6 +21,20 @@ const char* phase_name(Phase phase) {
     case Phase::kEval: return "eval";
   }
   return "unknown";
+}
+
+namespace {
+bool counted_as_cuda_from_env() {
+  const char* value = std::getenv("MEMFIT_COUNT_CPU_AS");
+  return value != nullptr && std::string(value) == "cuda";
+}
+std::atomic<bool> g_cpu_counted_as_cuda{counted_as_cuda_from_env()};
+}  // namespace
+
+bool cpu_counted_as_cuda() { return g_cpu_counted_as_cuda.load(std::memory_order_relaxed); }
+void set_cpu_counted_as_cuda(bool on) { g_cpu_counted_as_cuda.store(on); }
+c10::Device cpu_reported_device() {
+  return cpu_counted_as_cuda() ? c10::Device(c10::kCUDA, 0) : c10::Device(c10::kCPU);
 }
 
 MemoryTracker::MemoryTracker() : t0_(std::chrono::steady_clock::now()) {}

@@ -43,12 +43,13 @@ struct ChainRun {
   StepOptions options;
 
   double operator()(int64_t m, int64_t* peak = nullptr) {
-    const int64_t live0 = tracker.current();
+    const MemoryDevice device = memory_device_of(batch.input.device());
+    const int64_t live0 = tracker.current(device);
     tracker.reset_peak();
     const auto t0 = Clock::now();
     forward_backward(workload, batch.slice(0, m), 1.0, options);
     const double s = seconds_since(t0);
-    if (peak) *peak = tracker.peak() - live0;
+    if (peak) *peak = tracker.peak(device) - live0;
     return s;
   }
   void release_gradients() { zero_grad(workload.chain->parameters(), true); }
@@ -448,12 +449,13 @@ OptimizerCost measure_optimizer(const OptimizerSpec& spec, const std::vector<at:
     dynamic_map(false, params.front().device());
   }
   {
-    const int64_t before = tracker.current();
+    const MemoryDevice device = memory_device_of(params.front().device());
+    const int64_t before = tracker.current(device);
     auto optimizer = make_optimizer(spec.with_state(cost.state), params);
     optimizer->step();  // makes the state
-    cost.state_bytes = tracker.current() - before;
+    cost.state_bytes = tracker.current(device) - before;
     if (cost.state == StatePrecision::k8Bit) cost.state_bytes += dynamic_maps_bytes();
-    const int64_t steady = tracker.current();
+    const int64_t steady = tracker.current(device);
     tracker.reset_peak();
     cost.seconds = std::numeric_limits<double>::infinity();
     for (int i = 0; i < 2; ++i) {  // steady state: the best of two
@@ -461,7 +463,7 @@ OptimizerCost measure_optimizer(const OptimizerSpec& spec, const std::vector<at:
       optimizer->step();
       cost.seconds = std::min(cost.seconds, seconds_since(t0));
     }
-    cost.step_bytes = std::max<int64_t>(0, tracker.peak() - steady);
+    cost.step_bytes = std::max<int64_t>(0, tracker.peak(device) - steady);
   }
   at::NoGradGuard no_grad;
   for (size_t i = 0; i < params.size(); ++i) params[i].detach().copy_(saved[i]);

@@ -27,10 +27,11 @@ std::string profiling_phase(const at::Tensor& x, const char* part = "") {
 }
 
 // Records the tracker's events for a scope, unless a caller already does (its recording is left
-// alone, and the scope's moments are not known).
+// alone, and the scope's moments are not known). `device`: the counted device of the block's run.
 class Recording {
  public:
-  explicit Recording(MemoryTracker& tracker) : tracker_(tracker), own_(!tracker.recording()) {
+  Recording(MemoryTracker& tracker, MemoryDevice device)
+      : tracker_(tracker), device_(device), own_(!tracker.recording()) {
     if (own_) tracker_.start_recording();
   }
   ~Recording() { stop(); }
@@ -45,11 +46,12 @@ class Recording {
   PeakMoments moments(int64_t live, int64_t peak) {
     stop();
     const auto& events = tracker_.events();
-    return own_ ? peak_moments(events, 0, events.size(), MemoryDevice::kCPU, live, live, peak) : PeakMoments{};
+    return own_ ? peak_moments(events, 0, events.size(), device_, live, live, peak) : PeakMoments{};
   }
 
  private:
   MemoryTracker& tracker_;
+  MemoryDevice device_;
   bool own_;
 };
 
@@ -68,13 +70,14 @@ void run_forward_nograd(Chain& chain, int i, const at::Tensor& x, Precision prec
   at::NoGradGuard no_grad;
   const at::Tensor xin = input_for_run(chain, i, x);
   Autocast autocast(x.device().type(), precision);
-  const int64_t live0 = tracker.current();
+  const MemoryDevice device = memory_device_of(x.device());
+  const int64_t live0 = tracker.current(device);
   tracker.reset_peak();
-  Recording recording(tracker);
+  Recording recording(tracker, device);
   const auto t0 = Clock::now();
   at::Tensor y = chain.run_block(i, xin, profiling_phase(x).c_str());
   r.forward_nograd_seconds = seconds_since(t0);
-  r.cost.forward_nograd_peak = tracker.peak() - live0;
+  r.cost.forward_nograd_peak = tracker.peak(device) - live0;
   r.moments.forward_nograd = recording.moments(live0, r.cost.forward_nograd_peak);
   r.cost.input_copy_bytes = chain.may_write_input(i) ? static_cast<int64_t>(x.nbytes()) : 0;  // (a copy is dense)
   if (i + 1 < chain.size()) r.next_input = y;
@@ -159,15 +162,15 @@ struct BackwardPeaks {
 // that nothing held was freed before backward began, and its address may then come back for
 // another storage (the gradient, of the output's size): an allocation there means the storage
 // is gone, and later frees there are not its.
-BackwardPeaks held_peaks(const std::vector<MemoryEvent>& events, int64_t live, int64_t gradient_bytes,
-                         const StorageAt& output, const StorageAt& input, int64_t freed) {
+BackwardPeaks held_peaks(const std::vector<MemoryEvent>& events, MemoryDevice device, int64_t live,
+                         int64_t gradient_bytes, const StorageAt& output, const StorageAt& input, int64_t freed) {
   const void* gradient = nullptr;
   int64_t g = 0, o = 0, in = 0;  // bytes freed so far of each
   int64_t input_held = 0, segment_end = 0, all = 0;
   bool output_alive = output.data != nullptr && output.data != input.data, input_alive = input.data != nullptr;
   PeakMomentsRecorder freed_moments, input_held_moments, segment_end_moments, all_moments;
   for (const MemoryEvent& e : events) {
-    if (e.device != MemoryDevice::kCPU) continue;  // (the tracker's peak is the CPU's)
+    if (e.device != device) continue;  // (the peak is the run's device's)
     if (gradient == nullptr && e.delta == gradient_bytes) gradient = e.ptr;
     if (e.delta > 0 && e.ptr == output.data) output_alive = false;
     if (e.delta > 0 && e.ptr == input.data) input_alive = false;
@@ -206,11 +209,12 @@ BackwardPeaks held_peaks(const std::vector<MemoryEvent>& events, int64_t live, i
 double measured_backward(const Chain& chain, int i, const at::Tensor& x, at::Tensor out, const StorageAt& output,
                          const StorageAt& input, MemoryTracker& tracker, BackwardPeaks& peaks) {
   const auto gradient_bytes = static_cast<int64_t>(out.numel() * out.element_size());
+  const MemoryDevice device = memory_device_of(out.device());
   at::Tensor root = OnesGradient::apply(out);
   out = at::Tensor();
-  const int64_t live = tracker.current();
+  const int64_t live = tracker.current(device);
   tracker.reset_peak();
-  Recording recording(tracker);
+  Recording recording(tracker, device);
   const auto t0 = Clock::now();
   try {
     root.backward();
@@ -222,9 +226,9 @@ double measured_backward(const Chain& chain, int i, const at::Tensor& x, at::Ten
   }
   const double seconds = seconds_since(t0);
   recording.stop();
-  const int64_t freed = tracker.peak() - live;
+  const int64_t freed = tracker.peak(device) - live;
   const int64_t g = gradient_bytes, o = output.bytes, in = input.bytes;
-  peaks = recording.own() ? held_peaks(tracker.events(), live, gradient_bytes, output, input, freed)
+  peaks = recording.own() ? held_peaks(tracker.events(), device, live, gradient_bytes, output, input, freed)
                           : BackwardPeaks{freed, in, g + o, g + o + in, {}, {}, {}, {}};
   return seconds;
 }
@@ -252,14 +256,15 @@ void run_forward_backward(Workload& w, int i, const at::Tensor& x, const at::Ten
   const StorageAt input = storage_at(xi);
   const auto uses = xi.use_count();
   const auto storage_uses = static_cast<int64_t>(xi.storage().use_count());
-  const int64_t live0 = tracker.current();
+  const MemoryDevice device = memory_device_of(x.device());
+  const int64_t live0 = tracker.current(device);
   tracker.reset_peak();
-  Recording recording(tracker);
+  Recording recording(tracker, device);
   const auto t0 = Clock::now();
   at::Tensor y;
   at::Tensor out = forward_with_grad(w, i, xi, x, target, precision, &y);
   c.forward_seconds = seconds_since(t0);
-  c.forward_peak = tracker.peak() - live0;
+  c.forward_peak = tracker.peak(device) - live0;
   r.moments.forward = recording.moments(live0, c.forward_peak);
   r.output_is_input = !last && y.is_alias_of(xi);
   r.kept_input = xi.use_count() > uses || static_cast<int64_t>(xi.storage().use_count()) > storage_uses;
@@ -269,7 +274,7 @@ void run_forward_backward(Workload& w, int i, const at::Tensor& x, const at::Ten
   xi = at::Tensor();
   c.output_bytes = static_cast<int64_t>(out.storage().nbytes());
   // Internal bytes: without an output this forward allocated.
-  c.kept_bytes = tracker.current() - live0 - (r.output_is_input ? 0 : c.output_bytes);
+  c.kept_bytes = tracker.current(device) - live0 - (r.output_is_input ? 0 : c.output_bytes);
   BackwardPeaks peaks;
   c.backward_seconds = measured_backward(chain, i, x, std::move(out), output, input, tracker, peaks);
   c.backward_peak = peaks.freed;

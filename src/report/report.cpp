@@ -86,7 +86,7 @@ Report run_report(Workload& w, const ReportOptions& o) {
   auto optimizer = make_optimizer(o.step.optimizer, w.chain->parameters());
   RunTrace run;
   CudaPredictionOptions run_cuda_options = cuda_options;
-  if (device == MemoryDevice::kCUDA) {  // what the allocator holds already (the weights, cuBLAS's workspace)
+  if (o.step.device.is_cuda()) {  // what the allocator holds already (the weights, cuBLAS's workspace)
     const CudaAllocatorCounters now = cuda_allocator_counters(o.step.device.has_index() ? o.step.device.index() : 0);
     run_cuda_options.reserved_at_start = now.reserved;
     run_cuda_options.allocated_at_start = now.allocated;

@@ -55,8 +55,7 @@ void adopt_tensors(MemoryTracker& tracker, const std::vector<at::Tensor>& tensor
 
 // Classifies what is alive now (no recording needed): activations cannot be told apart here,
 // so everything unknown is `other`.
-Categories classify_live(const MemoryTracker& tracker, const KnownStorage& known,
-                         MemoryDevice device = MemoryDevice::kCPU);
+Categories classify_live(const MemoryTracker& tracker, const KnownStorage& known, MemoryDevice device);
 
 struct TimelinePoint {
   int64_t t_ns;
@@ -84,7 +83,6 @@ struct StepAnalysis {
 
 // Replays the events the tracker recorded for one step. `known` must describe the end of the
 // step (call known_storage() before releasing gradients).
-StepAnalysis analyze_step(const MemoryTracker& tracker, const KnownStorage& known, int num_blocks,
-                          MemoryDevice device = MemoryDevice::kCPU);
+StepAnalysis analyze_step(const MemoryTracker& tracker, const KnownStorage& known, int num_blocks, MemoryDevice device);
 
 }  // namespace memfit

@@ -44,7 +44,20 @@ struct CudaPredictionOptions {
   // is added to the prediction as it is, and taken off the cap.
   int64_t reserved_at_start = -1;
   int64_t allocated_at_start = -1;
+  // Allocations the trace lacks, made before its first event: cuBLAS's workspaces, one per
+  // thread that runs matrix products (the caller's, autograd's device thread), which the
+  // caching allocator holds for the process's life. Given for a trace recorded off CUDA; one
+  // recorded on CUDA holds them already.
+  std::vector<int64_t> workspaces;
 };
+
+// cuBLAS's workspace per (handle, stream), as LibTorch 2.x sizes it on a device of compute
+// capability `major`: CUBLAS_WORKSPACE_CONFIG's ":SIZE_KiB:COUNT" pairs summed, or by default
+// 32 MiB on Hopper and Blackwell (9, 10, 12), 8 MiB + 128 KiB before.
+int64_t cublas_workspace_bytes(int major);
+// The workspaces a training step's threads hold on CUDA: the caller's and autograd's device
+// thread's (a checkpointed block's recompute runs on the latter).
+std::vector<int64_t> training_workspaces(int major);
 // The rules of the LibTorch in use (compat.h) and PYTORCH_CUDA_ALLOC_CONF (OptionError if malformed).
 CudaPredictionOptions cuda_prediction_options_from_env();
 
@@ -55,8 +68,9 @@ struct CudaReservedPrediction {
   CudaAllocatorConf conf;
   int64_t peak_reserved = 0;   // over the whole trace (as max_memory_reserved after the run)
   int64_t peak_allocated = 0;  // blocks handed out, rounded (as max_memory_allocated)
-  int64_t num_alloc_retries = 0;
-  int64_t num_ooms = 0;
+  int64_t num_alloc_retries = 0;  // frees of the cache to retry under options.limit_bytes
+  int64_t num_ooms = 0;           // allocations that failed even then
+  int64_t workspace_bytes = 0;    // the options' workspaces, included above
   int64_t reserved_outside_trace = 0;   // from CudaPredictionOptions::reserved_at_start, included above
   int64_t allocated_outside_trace = 0;
   // From event `series_from` of the trace: reserved bytes before it, then after each event
@@ -68,7 +82,8 @@ struct CudaReservedPrediction {
 CudaReservedPrediction predict_cuda_reserved(const AllocationTrace& trace, MemoryDevice device,
                                              const CudaPredictionOptions& options, size_t series_from = 0);
 
-// {"cuda_reserved_peak_bytes", "cuda_allocated_peak_bytes", "cuda_allocator_rules",
+// {"cuda_reserved_peak_bytes", "cuda_allocated_peak_bytes", "cuda_num_alloc_retries", "cuda_num_ooms",
+//  "cuda_workspace_bytes", "cuda_reserved_outside_trace_bytes", "cuda_allocator_rules",
 //  "cuda_allocator_conf": {...}} for the reports' and plans' JSON.
 nlohmann::json cuda_prediction_json(const CudaReservedPrediction& prediction);
 

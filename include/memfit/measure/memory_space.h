@@ -80,4 +80,12 @@ class CopyToDevice {
 // the offload's time model. On the CPU it is a memcpy's, a stand-in for a real link.
 double measure_copy_bytes_per_second(const c10::Device& device);
 
+class MemoryTracker;
+// Bytes of tensor storage the allocator of `device` holds now: memfit's BudgetAllocator's device
+// pool on the CPU, the caching allocator's allocated bytes on CUDA.
+int64_t allocated_on(const c10::Device& device);
+// Those that `tracker` does not count (storage made before it: the caller's data tensors; on
+// CUDA, cuBLAS's workspace made before it): what a budget counts beside a profiled step.
+int64_t untracked_bytes(const MemoryTracker& tracker, const c10::Device& device);
+
 }  // namespace memfit

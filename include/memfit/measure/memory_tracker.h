@@ -9,7 +9,7 @@
 //   auto tracker = std::make_shared<memfit::MemoryTracker>();
 //   memfit::TrackerScope scope(tracker);           // this thread now reports to `tracker`
 //   { memfit::PhaseGuard forward(memfit::Phase::kForward); auto y = model(x); ... }
-//   tracker->peak();                                // bytes, exact
+//   tracker->peak(memfit::MemoryDevice::kCPU);       // bytes, exact
 //
 // Only allocations made while a tracker is installed are counted; storage made before (a
 // model the caller built) is counted once adopted (breakdown.h's adopt_tensors).
@@ -40,9 +40,21 @@ const char* phase_name(Phase phase);
 enum class MemoryDevice : uint8_t { kCPU = 0, kCUDA = 1, kHost = 2 };
 constexpr int kNumMemoryDevices = 3;
 
-// The counted device a tensor's device is (anything but CUDA counts as the CPU's).
+// Where the CPU allocator's device bytes are counted: MemoryDevice::kCPU, or, in the
+// counted-as-CUDA test mode, MemoryDevice::kCUDA. That mode proves on a CPU that every count a
+// plan, a report or a training run reads is the step's device's: memfit's CPU allocator then
+// reports its bytes as cuda:0's, so a count read on the CPU, the device a GPU run would not
+// use, finds nothing there. Set by set_cpu_counted_as_cuda (tests) or, read once at start,
+// MEMFIT_COUNT_CPU_AS=cuda in the environment (the CLI's tests).
+bool cpu_counted_as_cuda();
+void set_cpu_counted_as_cuda(bool on);
+// The c10 device the CPU allocator reports its device bytes as: cpu, or cuda:0 in that mode.
+c10::Device cpu_reported_device();
+
+// The counted device a tensor's device is: CUDA's, or the CPU's (every other device; CUDA's
+// in the counted-as-CUDA mode).
 inline MemoryDevice memory_device_of(const c10::Device& device) {
-  return device.is_cuda() ? MemoryDevice::kCUDA : MemoryDevice::kCPU;
+  return device.is_cuda() || cpu_counted_as_cuda() ? MemoryDevice::kCUDA : MemoryDevice::kCPU;
 }
 // Where bytes offloaded from `device` are counted: CPU memory (pinned) for CUDA, the host pool
 // for the CPU.
@@ -93,10 +105,10 @@ class MemoryTracker : public c10::MemoryReportingInfoBase {
   // will be counted then). No-op if the pointer is already live here.
   void adopt(const void* ptr, int64_t bytes, MemoryDevice device);
 
-  // --- counters, in bytes ---
-  int64_t current(MemoryDevice device = MemoryDevice::kCPU) const;
-  int64_t peak(MemoryDevice device = MemoryDevice::kCPU) const;
-  int64_t phase_peak(Phase phase, MemoryDevice device = MemoryDevice::kCPU) const;
+  // --- counters, in bytes, on one counted device (the step's: memory_device_of) ---
+  int64_t current(MemoryDevice device) const;
+  int64_t peak(MemoryDevice device) const;
+  int64_t phase_peak(Phase phase, MemoryDevice device) const;
   // Peak and every phase peak start again from the current live bytes.
   void reset_peak();
   // Number of allocations seen so far (a cheap change detector).
