@@ -45,10 +45,13 @@
 // plan/: profiles, the checkpoint-schedule DP, the planner (pure search), the plan job
 // (measure, then search), verification, per-rank state.
 #include "memfit/plan/job.h"
+#include "memfit/plan/plan_steps.h"
 #include "memfit/plan/planner.h"
 #include "memfit/plan/profile.h"
 #include "memfit/plan/profile_cache.h"
 #include "memfit/plan/rank_states.h"
+#include "memfit/plan/reserved_check.h"
+#include "memfit/plan/reserved_fit.h"
 #include "memfit/plan/schedule.h"
 #include "memfit/plan/verify.h"
 

@@ -158,16 +158,16 @@ int run_plan_command(WorkloadFlags& wf, const StepFlags& sf, const PlanFlags& f)
   adopt_tensors(*tracker, w.chain->buffers());
   PlanJobOptions o;
   o.request.budget_bytes = budget;
-  // What else the budget counts (the user's data tensors): planned for, and measured with.
-  o.request.resident_bytes = std::max<int64_t>(0, BudgetAllocator::install().allocated() - tracker->current());
   o.request.step = step_config(sf, w.chain->size());
+  // What else the budget counts (the user's data tensors): planned for, and measured with.
+  o.request.resident_bytes = untracked_bytes(*tracker, o.request.step.device);
   o.request.checkpoint = pinned_checkpoint(sf.checkpoint, w.chain->size());
   request_offload(o.request, parse_offload_mode(f.offload), f.host_budget.empty() ? 0 : parse_size_flag("--host-budget", f.host_budget));
   const OutsideMemory outside = outside_memory_on(o.request.step.device);
   o.request.outside_bytes = outside.total();  // on CUDA it counts against the budget too
-  if (o.request.step.device.is_cuda()) o.request.resident_bytes = 0;  // the data stays in host memory
   o.precisions = precision_candidates(sf.precision, o.request.step.device.type());
   o.cache = profile_cache_options(sf);
+  o.reserved_fit = reserved_fit_for(o.request.step.device);
   w.chain->to(o.request.step.device);
   const Batch batch = w.data->train_batch(0, o.request.step.batch, w.seed).to(o.request.step.device);
   PlanJob job(w, [&batch] { return batch; }, std::move(o), *tracker);

@@ -45,6 +45,12 @@ void print_cuda_verification(const Verification& v) {
 void print_predictions(const Plan& plan, const Verification* v) {
   const double plain = std::max(1e-12, plan.plain_predicted_seconds);
   fmt::print("  {:<28}{}\n", "predicted peak", bytes_cell(plan.predicted_peak));
+  if (plan.reserved.checked()) {
+    const ReservedCheck& r = plan.reserved;
+    fmt::print("  {:<28}{}  (its {} steps replayed on the caching allocator: cap {}, margin {}, {} retries)\n",
+               "reserved on CUDA, checked", bytes_cell(r.peak_reserved), r.steps, format_bytes(r.cap_bytes),
+               format_bytes(r.margin_bytes), r.num_alloc_retries);
+  }
   if (plan.config.offload.any()) fmt::print("  {:<28}{}\n", "predicted host peak", bytes_cell(plan.predicted_host_peak));
   if (v == nullptr) {
     fmt::print("  {:<28}{:.2f}x predicted\n", "step time vs plain step", plan.predicted_seconds / plain);

@@ -89,6 +89,12 @@ void TrainOutput::on_summary(const TrainSummary& s) {
   if (s.evaluated) fmt::print(", held-out loss {:.6g}", s.eval_loss);
   fmt::print("\n  peak {} ({} bytes) of a {} budget; out-of-memory recoveries: {}\n", format_bytes(s.peak_bytes), s.peak_bytes,
              format_bytes(s.budget_bytes), s.oom_recoveries);
+  if (s.cuda) {
+    fmt::print("  CUDA: max_memory_reserved {} ({} bytes; predicted {}), {} outside the allocator; allocator retries {}, "
+               "out-of-memory errors {}\n",
+               format_bytes(s.cuda->peak_reserved), s.cuda->peak_reserved, format_bytes(s.plan.reserved.peak_reserved),
+               format_bytes(s.cuda_outside_bytes), s.cuda->num_alloc_retries, s.cuda->num_ooms);
+  }
   if (s.plan.config.offload.any()) {
     fmt::print("  host peak {} ({} bytes; predicted {}): {} offloaded\n", format_bytes(s.host_peak_bytes), s.host_peak_bytes,
                format_bytes(s.plan.predicted_host_peak), s.plan.config.offload.describe());

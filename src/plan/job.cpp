@@ -4,9 +4,12 @@
 
 #include <cmath>
 
+#include "memfit/measure/cuda_budget.h"
 #include "memfit/measure/memory_space.h"
 #include "memfit/measure/size.h"
+#include "memfit/plan/plan_steps.h"
 #include "memfit/plan/profile.h"
+#include "memfit/techniques/cache.h"
 #include "memfit/techniques/rng.h"
 
 namespace memfit {
@@ -54,11 +57,50 @@ PlanJob::PlanJob(Workload& workload, BatchSource batch, PlanJobOptions options, 
   planner_.emplace(std::move(costs.profile), std::move(request));
 }
 
+std::optional<ReservedFitOptions> reserved_fit_for(const c10::Device& device) {
+  if (!device.is_cuda()) return std::nullopt;
+  ReservedFitOptions o;
+  o.allocator = cuda_prediction_options_from_env();
+  return o;
+}
+
 Plan PlanJob::plan(int64_t budget_bytes) {
   int timed = 0;
-  Plan plan = plan_timing_as_needed(*planner_, budget_bytes, timer(), &timed);
+  const auto replan = [&](int64_t budget) {
+    int more = 0;
+    Plan p = plan_timing_as_needed(*planner_, budget, timer(), &more);
+    timed += more;
+    return p;
+  };
+  Plan plan = replan(budget_bytes);
+  if (options_.reserved_fit && plan.feasible) {
+    const MemoryDevice device = memory_device_of(options_.request.step.device);
+    const StepRecorder record = [this](const StepConfig& config, int steps) { return record_steps(config, steps); };
+    plan = fit_reserved(*planner_, std::move(plan), device, record, *options_.reserved_fit, replan);
+  }
   if (timed > 0) store_costs(source_, planner_->measured_costs());  // the cache keeps the sizes timed
   return plan;
+}
+
+RecordedSteps PlanJob::record_steps(const StepConfig& config, int steps) {
+  RecordedSteps r;
+  ModelStateGuard keep(workload_);
+  const Batch batch = batch_();
+  if (config.device.is_cuda()) {
+    empty_cache();  // as the steps under the budget start (verify.h, the Trainer)
+    const CudaAllocatorCounters now = cuda_allocator_counters(config.device.has_index() ? config.device.index() : 0);
+    r.reserved_at_start = now.reserved;
+    r.allocated_at_start = now.allocated;
+  }
+  tracker_.start_recording();
+  try {
+    run_plan_steps(workload_, batch, config, tracker_, steps);
+  } catch (const c10::OutOfMemoryError&) {
+    r.out_of_memory = true;  // the device's real memory ran out, uncapped
+  }
+  tracker_.stop_recording();
+  r.trace = recorded_trace(tracker_);
+  return r;
 }
 
 ChainTimer PlanJob::timer() {

@@ -475,6 +475,10 @@ int64_t Planner::pinned_smallest_peak(const ChainCosts& c, const CheckpointPlan&
   }
   return evaluate_schedule(c, pinned.segments, offloaded).peak_bytes;
 }
+void Planner::require_relation(double reserved_per_allocated) {
+  request_.reserved_per_allocated = std::max(request_.reserved_per_allocated, reserved_per_allocated);
+}
+
 int64_t Planner::usable_bytes(int64_t budget) const {
   const double allocator_share = static_cast<double>(budget - request_.outside_bytes) / request_.reserved_per_allocated;
   return static_cast<int64_t>(allocator_share * (1.0 - request_.margin));
@@ -692,7 +696,7 @@ Plan Planner::plan(int64_t budget) const {
 
 nlohmann::json plan_json(const Plan& p) {
   const double plain = p.plain_predicted_seconds > 0 ? p.plain_predicted_seconds : 1;
-  return {{"budget_bytes", p.budget_bytes},
+  nlohmann::json j = {{"budget_bytes", p.budget_bytes},
           {"margin", p.margin},
           {"feasible", p.feasible},
           {"floor_bytes", p.floor_bytes},
@@ -705,6 +709,8 @@ nlohmann::json plan_json(const Plan& p) {
                      {"predicted_peak_bytes", p.plain_predicted_peak},
                      {"predicted_seconds", p.plain_predicted_seconds}}},
           {"notes", p.notes}};
+  if (p.reserved.checked()) j["reserved"] = reserved_check_json(p.reserved);
+  return j;
 }
 
 Plan plan_from_json(const nlohmann::json& j, int blocks) {
@@ -725,6 +731,7 @@ Plan plan_from_json(const nlohmann::json& j, int blocks) {
   p.baseline_precision = parse_precision(jf::text(plain, "precision"));
   p.plain_predicted_peak = jf::integer(plain, "predicted_peak_bytes");
   p.plain_predicted_seconds = jf::number(plain, "predicted_seconds");
+  if (j.contains("reserved")) p.reserved = reserved_check_from_json(j.at("reserved"));
   for (const auto& note : jf::array(j, "notes")) {
     if (!note.is_string()) throw std::invalid_argument("JSON: 'notes' must hold strings");
     p.notes.push_back(note.get<std::string>());

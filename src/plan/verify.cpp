@@ -9,6 +9,7 @@
 #include "memfit/errors.h"
 #include "memfit/measure/budget_allocator.h"
 #include "memfit/measure/size.h"
+#include "memfit/plan/plan_steps.h"
 #include "memfit/runtime/optimizer_offload.h"
 #include "memfit/runtime/step.h"
 #include "memfit/techniques/cache.h"
@@ -16,35 +17,6 @@
 
 namespace memfit {
 namespace {
-
-using Clock = std::chrono::steady_clock;
-
-// `steps` steps of `config` with a fresh optimizer; from the second on they are in steady state
-// (optimizer state exists): their best time, and their peak on `device` into *peak.
-double run_steps(Workload& w, const Batch& data, const StepConfig& config, MemoryTracker& tracker, int steps,
-                 MemoryDevice device, int64_t* peak) {
-  auto optimizer = make_optimizer(config.optimizer, w.chain->parameters());
-  StepOptions options{config};
-  std::optional<OptimizerOffload> offload;
-  if (config.offload.optimizer) {
-    offload.emplace(w.chain->parameters());
-    offload->adopt(*optimizer);
-    offload->attach(options);
-  }
-  double best = 1e30;
-  for (int step = 1; step <= steps; ++step) {
-    tracker.reset_peak();
-    const auto t0 = Clock::now();
-    accumulate_gradients(w, data, split_batch(data.size(), config.micro_batch_size()), options);
-    const auto optimizer_part = [&] { optimizer_step(*optimizer, options); };
-    offload ? offload->step(optimizer_part) : optimizer_part();
-    const double s = std::chrono::duration<double>(Clock::now() - t0).count();
-    if (step < 2) continue;
-    best = std::min(best, s);
-    if (peak) *peak = std::max(*peak, tracker.peak(device));
-  }
-  return best;
-}
 
 struct Attempt {
   bool oom = false;
@@ -58,11 +30,11 @@ struct Attempt {
 // The plan's steps under its budget: the CPU allocator's, and on CUDA the allocator's fraction
 // (from an emptied cache, so that what is measured is this plan's).
 Attempt run_under_budget(Workload& w, const Batch& data, const Plan& plan, const PlanRequest& request,
-                         MemoryTracker& tracker, int steps, MemoryDevice device) {
+                         MemoryTracker& tracker, int steps) {
   Attempt a;
   const int cuda_device = plan.config.device.has_index() ? plan.config.device.index() : 0;
   std::optional<CudaMemoryFractionGuard> cap;
-  if (device == MemoryDevice::kCUDA) {
+  if (plan.config.device.is_cuda()) {
     empty_cache();
     cap.emplace(plan.budget_bytes - request.outside_bytes, cuda_device);
     a.cuda_limit = cap->limit_bytes();
@@ -72,40 +44,40 @@ Attempt run_under_budget(Workload& w, const Batch& data, const Plan& plan, const
   BudgetGuard budget(plan.budget_bytes);
   tracker.start_recording();
   try {
-    a.seconds = run_steps(w, data, plan.config, tracker, steps, device, &a.peak);
+    const PlanSteps run = run_plan_steps(w, data, plan.config, tracker, steps);
+    a.seconds = run.best_seconds;
+    a.peak = run.peak;
   } catch (const c10::OutOfMemoryError&) {
     a.oom = true;
-    zero_grad(w.chain->parameters(), true);
   }
   tracker.stop_recording();
   a.trace = recorded_trace(tracker);
-  if (device == MemoryDevice::kCUDA) a.counters = cuda_allocator_counters(cuda_device);
+  if (plan.config.device.is_cuda()) a.counters = cuda_allocator_counters(cuda_device);
   return a;
 }
 
-// On CUDA: the plan again, its allocated peak held to what the budget leaves once the reserved /
-// allocated relation of the steps just run (the model's replay, at least the measured one) applies.
-Plan replan_with_relation(const Planner& planner, const Plan& plan, const Attempt& a, int attempt) {
+// On CUDA: the plan again with the planner's relation raised to what the steps just run showed
+// (the model's replay and the allocator's own counters), and 5% more each further attempt: the
+// planner keeps it, so each attempt is tighter than the one before.
+Plan replan_with_relation(Planner& planner, const Plan& plan, const Attempt& a, int attempt) {
   CudaPredictionOptions unlimited = cuda_prediction_options_from_env();
   const CudaReservedPrediction p = predict_cuda_reserved(a.trace, MemoryDevice::kCUDA, unlimited);
   const auto ratio = [](int64_t reserved, int64_t allocated) {
     return allocated > 0 ? static_cast<double>(reserved) / static_cast<double>(allocated) : 1.0;
   };
-  PlanRequest request = planner.request();
-  request.reserved_per_allocated =
-      std::max({request.reserved_per_allocated, ratio(p.peak_reserved, p.peak_allocated),
-                ratio(a.counters.peak_reserved, a.counters.peak_allocated)}) *
-      (1.0 + 0.05 * (attempt - 1));  // and 5% more each further attempt
-  Plan again = Planner(planner.profile(), request).plan(plan.budget_bytes);
-  again.notes.insert(again.notes.begin(), "planned again with reserved = " + std::to_string(request.reserved_per_allocated) +
+  const double relation = std::max({planner.request().reserved_per_allocated * (1.0 + 0.05 * attempt),
+                                    ratio(p.peak_reserved, p.peak_allocated),
+                                    ratio(a.counters.peak_reserved, a.counters.peak_allocated)});
+  planner.require_relation(relation);
+  Plan again = planner.plan(plan.budget_bytes);
+  again.notes.insert(again.notes.begin(), "planned again with reserved = " + std::to_string(relation) +
                                               " x allocated (the verified steps' relation)");
   return again;
 }
 
 // The tighter plan after an attempt that did not hold the budget, or an infeasible plan.
-Plan tighter_plan(const Planner& planner, const Plan& plan, const Attempt& a, int attempt, MemoryDevice device,
-                  std::vector<std::string>& notes) {
-  if (device == MemoryDevice::kCUDA) {
+Plan tighter_plan(Planner& planner, const Plan& plan, const Attempt& a, int attempt, std::vector<std::string>& notes) {
+  if (plan.config.device.is_cuda()) {
     notes.push_back(a.oom ? "the CUDA allocator ran out of memory under the budget's fraction: planned again"
                           : "the CUDA allocator freed its cache and retried under the budget's fraction: planned again");
     return replan_with_relation(planner, plan, a, attempt);
@@ -118,23 +90,6 @@ Plan tighter_plan(const Planner& planner, const Plan& plan, const Attempt& a, in
   return again;
 }
 
-// On CUDA, before the plan's first run: the plain steps' reserved/allocated relation (replayed)
-// applied to the plan, when it is more than the request assumed.
-Plan plan_for_relation(const Planner& planner, const Plan& plan, const AllocationTrace& plain,
-                       std::vector<std::string>& notes) {
-  const CudaReservedPrediction p = predict_cuda_reserved(plain, MemoryDevice::kCUDA, cuda_prediction_options_from_env());
-  if (p.peak_allocated <= 0) return plan;
-  PlanRequest request = planner.request();
-  const double relation = static_cast<double>(p.peak_reserved) / static_cast<double>(p.peak_allocated);
-  if (relation <= request.reserved_per_allocated) return plan;
-  request.reserved_per_allocated = relation;
-  Plan again = Planner(planner.profile(), request).plan(plan.budget_bytes);
-  if (!again.feasible) return plan;
-  notes.push_back("planned with reserved = " + std::to_string(relation) +
-                  " x allocated on CUDA (the plain step's allocations replayed on the caching allocator)");
-  return again;
-}
-
 }  // namespace
 
 Verification verify_plan(Workload& w, const Planner& planner, Plan& plan, MemoryTracker& tracker, bool measure_plain,
@@ -144,7 +99,8 @@ Verification verify_plan(Workload& w, const Planner& planner, Plan& plan, Memory
   v.steps = steps;
   const CudaPredictionOptions cuda_options = cuda_prediction_options_from_env();
   const MemoryDevice device = memory_device_of(plan.config.device);
-  v.on_cuda = device == MemoryDevice::kCUDA;
+  v.on_cuda = plan.config.device.is_cuda();
+  Planner tightened = planner;  // what each failed attempt tightens, never the request as it came
   BudgetAllocator::install();
   const Batch data = batch != nullptr ? *batch : w.data->train_batch(0, plan.config.batch, w.seed).to(plan.config.device);
   if (measure_plain) {
@@ -152,15 +108,12 @@ Verification verify_plan(Workload& w, const Planner& planner, Plan& plan, Memory
     plain.micro_batch = 0;
     plain.precision = plan.baseline_precision;
     plain.checkpoint = CheckpointPlan::none();
-    tracker.start_recording();
-    v.plain_seconds = run_steps(w, data, plain, tracker, 3, device, nullptr);
-    tracker.stop_recording();
-    if (v.on_cuda) plan = plan_for_relation(planner, plan, recorded_trace(tracker), v.notes);
+    v.plain_seconds = run_plan_steps(w, data, plain, tracker, 3).best_seconds;
   }
   for (;; ++v.attempts) {
-    const Attempt a = run_under_budget(w, data, plan, planner.request(), tracker, steps, device);
+    const Attempt a = run_under_budget(w, data, plan, tightened.request(), tracker, steps);
     v.measured_seconds = a.seconds;
-    v.measured_peak = a.peak > 0 ? a.peak + planner.request().resident_bytes : 0;  // the budget counts them too
+    v.measured_peak = a.peak > 0 ? a.peak + tightened.request().resident_bytes : 0;  // the budget counts them too
     CudaPredictionOptions capped = cuda_options;
     capped.limit_bytes = a.cuda_limit;
     if (v.on_cuda) {
@@ -176,7 +129,7 @@ Verification verify_plan(Workload& w, const Planner& planner, Plan& plan, Memory
       if (!a.oom && !held) v.notes.push_back("the CUDA allocator still retried after 3 attempts");
       break;
     }
-    Plan again = tighter_plan(planner, plan, a, v.attempts, device, v.notes);
+    Plan again = tighter_plan(tightened, plan, a, v.attempts, v.notes);
     if (!again.feasible) break;
     plan = again;
   }

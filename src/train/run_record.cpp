@@ -35,7 +35,7 @@ std::vector<StepPoint> StepHistory::points() const {
 }
 
 nlohmann::json TrainSummary::json() const {
-  return {{"type", "summary"},          {"first_step", first_step},
+  nlohmann::json j = {{"type", "summary"},          {"first_step", first_step},
           {"steps", steps},             {"samples", samples},
           {"final_loss", final_loss},   {"evaluated", evaluated},
           {"eval_loss", eval_loss},     {"peak_bytes", peak_bytes},
@@ -48,6 +48,12 @@ nlohmann::json TrainSummary::json() const {
           {"seconds", seconds},         {"phase_seconds", phase_seconds},
           {"interrupted", interrupted}, {"report_file", report_file},
           {"ranks", ranks_json(ranks)}, {"plan", plan_json(plan)}};
+  if (cuda) {
+    j["cuda"] = {{"max_memory_allocated", cuda->peak_allocated}, {"max_memory_reserved", cuda->peak_reserved},
+                 {"num_alloc_retries", cuda->num_alloc_retries}, {"num_ooms", cuda->num_ooms},
+                 {"outside_bytes", cuda_outside_bytes}};
+  }
+  return j;
 }
 
 // --- observers --------------------------------------------------------------------------------

@@ -10,6 +10,7 @@
 
 #include "memfit/errors.h"
 #include "memfit/measure/breakdown.h"
+#include "memfit/measure/memory_space.h"
 #include "memfit/measure/size.h"
 #include "memfit/techniques/activation_offload.h"
 #include "memfit/techniques/grads.h"
@@ -61,12 +62,13 @@ void check_train_options(const TrainOptions& o, const Workload& w) {
 
 TrainingMemory::TrainingMemory(c10::Device device)
     : device(device), allocator(BudgetAllocator::install()), tracker(std::make_shared<MemoryTracker>()), scope(tracker) {
-  if (device.is_cuda()) outside = measure_outside_memory(device.has_index() ? device.index() : 0);
+  if (device.is_cuda()) outside = measure_outside_memory(cuda_index());
 }
 
 void TrainingMemory::enforce(int64_t bytes) {
   if (device.is_cuda()) {
-    cuda_cap.emplace(bytes - outside.total(), device.has_index() ? device.index() : 0);
+    cuda_cap.emplace(bytes - outside.total(), cuda_index());
+    reset_cuda_allocator_counters(cuda_index());  // the summary's peaks are the steps' under the cap
   } else {
     budget.emplace(bytes);
   }
@@ -83,7 +85,11 @@ int64_t TrainOptimizer::skipped_updates() const {
   return adam8bit != nullptr ? adam8bit->skipped_updates() : 0;
 }
 
-Trainer::Impl::Impl(Workload& w, TrainOptions o) : workload(w), options(std::move(o)) {}
+Trainer::Impl::Impl(Workload& w, TrainOptions o) : workload(w), options(std::move(o)) {
+  // Each rank on CUDA takes its own GPU, and its group carries the step's tensors.
+  if (options.distributed.enabled()) options.step.device = rank_device(options.step.device, options.distributed.rank);
+  options.distributed.device = options.step.device;
+}
 
 Batch Trainer::Impl::local_batch(int64_t index) const {
   return workload.data->train_batch(index, options.step.batch, workload.seed)
@@ -137,12 +143,9 @@ void Trainer::set_up() {
   t.parameter_bytes = memfit::parameter_bytes(chain);
   adopt_tensors(*t.memory->tracker, chain.parameters());  // the caller built them before this tracker existed
   adopt_tensors(*t.memory->tracker, chain.buffers());
-  // What else the budget counts from the start (the caller's data tensors, say): the plan
-  // reserves it, and reported peaks include it.
-  // (Host bytes do not count against a GPU's budget.)
-  if (!t.options.step.device.is_cuda()) {
-    t.memory->resident_bytes = std::max<int64_t>(0, t.memory->allocator.allocated() - t.memory->tracker->current());
-  }
+  // What else the budget counts from the start (the caller's data tensors, say; on CUDA also
+  // the cuBLAS workspace of this thread): the plan reserves it, and reported peaks include it.
+  t.memory->resident_bytes = untracked_bytes(*t.memory->tracker, t.options.step.device);
   t.strategy = make_strategy(t.options.distributed, chain);
   t.local = t.strategy->local_slice(t.options.step.batch);
   const OptimizerSpec& spec = t.options.step.optimizer;
@@ -223,7 +226,7 @@ void Trainer::Impl::update(bool last) {
     if (tracker.recording()) tracker.stop_recording();
     known = known_storage(strategy->held_parameters(), optimizer_state_tensors(*optimizer.optimizer),
                           workload.chain->buffers());
-    const Categories live = classify_live(tracker, known);
+    const Categories live = classify_live(tracker, known, memory->counted());
     record.own_state = {live.weights, live.gradients, live.optimizer_state};
     if (OptimizerOffload* offload = strategy->optimizer_offload()) {
       known_host = known_storage(offload->host_parameters(), optimizer_state_tensors(*optimizer.optimizer));
@@ -237,7 +240,7 @@ void Trainer::Impl::update(bool last) {
                              " plus its temporaries");
   }
   if (last && !options.report_html.empty()) {
-    record.last_step = analyze_step(tracker, known, workload.chain->size());
+    record.last_step = analyze_step(tracker, known, workload.chain->size(), memory->counted());
     if (plan.plan.config.offload.any()) {
       const MemoryDevice host = host_memory_device_of(options.step.device);
       record.last_host_step = analyze_step(tracker, known_host, workload.chain->size(), host);
@@ -264,7 +267,9 @@ double Trainer::step(int64_t step) {
   check_option(step > t.record.start_step && step <= t.options.steps, "step", step,
                "expected " + std::to_string(t.record.start_step + 1) + " to steps (" + std::to_string(t.options.steps) + ")");
   MemoryTracker& tracker = *t.memory->tracker;
-  if (auto leak = t.record.leaks.observe(step, tracker.current())) t.observers.on_note("warning: " + leak->message());
+  if (auto leak = t.record.leaks.observe(step, tracker.current(t.memory->counted()))) {
+    t.observers.on_note("warning: " + leak->message());
+  }
   const bool last = step == t.options.steps;
   tracker.reset_peak();
   if (last && !t.options.report_html.empty()) tracker.start_recording();
@@ -295,7 +300,7 @@ void Trainer::Impl::record_step(int64_t step, double loss, double seconds) {
   e.samples = options.step.batch;
   e.tokens_per_sample = workload.sample_tokens;
   e.seconds = seconds;
-  e.live_bytes = memory->tracker->current();
+  e.live_bytes = memory->tracker->current(memory->counted());
   e.peak_bytes = memory->step_peak();
   e.host_peak_bytes = memory->tracker->peak(host_memory_device_of(options.step.device));
   e.budget_bytes = plan.budget;
@@ -407,6 +412,10 @@ TrainSummary Trainer::summarize() {
   for (const auto& v : all) {
     s.ranks.push_back({v[0], v[1], v[2]});
     s.skipped_updates += v[3];
+  }
+  if (t.options.step.device.is_cuda()) {
+    s.cuda = cuda_allocator_counters(t.memory->cuda_index());
+    s.cuda_outside_bytes = t.memory->outside.total();
   }
   const MemoryTracker& tracker = *t.memory->tracker;
   for (Phase p : {Phase::kData, Phase::kForward, Phase::kBackward, Phase::kRecompute, Phase::kOptimizer, Phase::kEval}) {

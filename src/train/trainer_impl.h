@@ -48,8 +48,11 @@ struct TrainingMemory {
   std::optional<BudgetGuard> budget;  // CPU
   std::optional<CudaMemoryFractionGuard> cuda_cap;  // CUDA
   int64_t resident_bytes = 0;         // counted by the budget, outside the tracker (the caller's data)
+  int cuda_index() const { return device.has_index() ? device.index() : 0; }
+  // The tracker's counted device for this device (memory_device_of): every count the run reads.
+  MemoryDevice counted() const { return memory_device_of(device); }
   // Bytes the budget counts at the last step's peak.
-  int64_t step_peak() const { return tracker->peak() + resident_bytes; }
+  int64_t step_peak() const { return tracker->peak(counted()) + resident_bytes; }
 };
 
 struct TrainOptimizer {

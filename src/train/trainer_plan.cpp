@@ -5,6 +5,7 @@
 
 #include "memfit/errors.h"
 #include "memfit/measure/size.h"
+#include "memfit/techniques/cache.h"
 #include "memfit/techniques/rng.h"
 #include "trainer_impl.h"
 
@@ -23,6 +24,9 @@ void Trainer::Impl::make_plan_job() {
   o.optimized = strategy->optimized_parameters();
   o.cache = options.profile_cache;
   o.time_micro_batches = strategy->times_micro_batches_alone();
+  // On CUDA one process's plan is checked by its recorded steps on the caching allocator; a
+  // rank of several runs steps no single process can record for it.
+  if (options.distributed.world_size == 1) o.reserved_fit = reserved_fit_for(options.step.device);
   const StateUse state{!options.save_dir.empty(), !options.resume_dir.empty()};
   auto whole = strategy->whole_model();  // measured as one process runs it (before the budget)
   plan.job.emplace(workload, [this] { return local_batch(record.start_step); }, std::move(o), *memory->tracker,
@@ -109,6 +113,7 @@ void Trainer::Impl::prepare_steps() {
   recovery.split = std::make_unique<SplitRecovery>(local.length, options.step.batch, workload.chain->size(),
                                                    [this](const std::string& note) { observers.on_note(note); });
   recovery.eval_micro_batch = config.micro_batch_size();
+  if (options.step.device.is_cuda()) empty_cache();  // the steps start from what the plan's check replayed
   memory->enforce(plan.budget);
   record.summary.first_step = record.start_step + 1;
   record.summary.budget_bytes = plan.budget;

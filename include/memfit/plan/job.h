@@ -21,6 +21,7 @@
 #include "memfit/measure/memory_tracker.h"
 #include "memfit/plan/planner.h"
 #include "memfit/plan/profile_cache.h"
+#include "memfit/plan/reserved_fit.h"
 
 namespace memfit {
 
@@ -56,7 +57,15 @@ struct PlanJobOptions {
   std::vector<at::Tensor> optimized;    // the parameters this process's optimizer steps (empty: all)
   ProfileCacheOptions cache;            // dir "": measure every time
   bool time_micro_batches = true;       // time the sizes the search guessed (false: the guesses stand)
+  // Set: every plan is checked by its recorded steps replayed on the CUDA caching allocator
+  // under the budget's cap, and made tighter until it holds (reserved_fit.h); what
+  // reserved_fit_for gives on CUDA. Unset: judged by allocated bytes (the CPU's budget).
+  std::optional<ReservedFitOptions> reserved_fit;
 };
+
+// The reserved check a plan for `device` needs: on CUDA the allocator's rules and
+// PYTORCH_CUDA_ALLOC_CONF (the recorded steps hold cuBLAS's workspaces already); none elsewhere.
+std::optional<ReservedFitOptions> reserved_fit_for(const c10::Device& device);
 
 class PlanJob {
  public:
@@ -71,12 +80,17 @@ class PlanJob {
   PlanJob(Workload& workload, BatchSource batch, PlanJobOptions options, MemoryTracker& tracker,
           const CompleteRequest& complete = {});
 
-  // The plan for `budget_bytes` (0: the request's), its micro-batches timed as needed; the
-  // profile cache then keeps the sizes timed.
+  // The plan for `budget_bytes` (0: the request's), its micro-batches timed as needed and,
+  // with options.reserved_fit, checked on the caching allocator (tightened until it holds);
+  // the profile cache then keeps the sizes timed.
   Plan plan(int64_t budget_bytes = 0);
   // Profiles `precision` if the profile lacks it (a mixed precision this process's probe
   // dropped but another rank's plan runs). Returns whether it profiled.
   bool add_precision_if_missing(Precision precision);
+
+  // `steps` steps of `config` on the job's batch, recorded for the reserved check
+  // (reserved_fit.h); the model, its gradients and the random state put back after.
+  RecordedSteps record_steps(const StepConfig& config, int steps);
 
   Planner& planner() { return *planner_; }
   const Planner& planner() const { return *planner_; }

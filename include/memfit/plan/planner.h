@@ -24,6 +24,7 @@
 #include "memfit/plan/profile.h"
 #include "memfit/plan/profile_cache.h"
 #include "memfit/plan/rank_states.h"
+#include "memfit/plan/reserved_check.h"
 #include "memfit/plan/schedule.h"
 #include "memfit/runtime/step_config.h"
 
@@ -100,12 +101,15 @@ struct Plan {
   Precision baseline_precision = Precision::kFP32;  // the plain step's (the first profiled)
   int64_t plain_predicted_peak = 0; // whole batch, nothing recomputed, baseline precision
   double plain_predicted_seconds = 0;
+  // On CUDA: its steps replayed on the caching allocator under the budget's cap (reserved_fit.h);
+  // not checked (steps 0) elsewhere.
+  ReservedCheck reserved;
   std::vector<std::string> notes;   // why this plan, said plainly
 };
 
 // The one JSON form of a plan: {"budget_bytes", "margin", "feasible", "floor_bytes", "config" (step_config_json),
 // "checkpoint_pinned", "predicted": {"peak_bytes", "host_peak_bytes", "seconds", "step_time_ratio"},
-// "plain": {...}, "notes"}.
+// "plain": {...}, "reserved" (reserved_check_json, where checked), "notes"}.
 nlohmann::json plan_json(const Plan& plan);
 // Reads it back (saved state, the broadcast to ranks); the config is checked against `blocks`.
 Plan plan_from_json(const nlohmann::json& json, int blocks);
@@ -151,6 +155,9 @@ class Planner {
   // Adds a precision profiled later (profile_precision in profile.h; its chain untimed: it is
   // guessed from its blocks until timed). Throws if it is there already.
   void add_precision(PrecisionProfile profile);
+  // Raises the reserved/allocated relation plans are made with from now on (PlanRequest::
+  // reserved_per_allocated: what a replay on the caching allocator showed); never lowers it.
+  void require_relation(double reserved_per_allocated);
   // Adds a timed point to a precision's time model (time_plain_chain in profile.h).
   void add_chain_seconds(Precision precision, int64_t micro_batch, double seconds);
   // What sizes timed later at `precision` are timed beside: its smaller profiled size (cheap),

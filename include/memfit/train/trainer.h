@@ -30,9 +30,11 @@
 #include <cstdint>
 #include <map>
 #include <memory>
+#include <optional>
 #include <string>
 #include <vector>
 
+#include "memfit/measure/cuda_budget.h"
 #include "memfit/plan/planner.h"
 #include "memfit/plan/profile_cache.h"
 #include "memfit/plan/rank_states.h"
@@ -106,6 +108,10 @@ struct TrainSummary {
   double seconds = 0;               // the training loop, wall clock
   bool interrupted = false;         // stopped early on request (stop_signal.h), state saved if saving
   std::string report_file;          // the HTML report written ("": none)
+  // On CUDA: the caching allocator's counters over the training steps (peaks since the budget
+  // was enforced, allocator retries, out-of-memory errors) and the memory outside it.
+  std::optional<CudaAllocatorCounters> cuda;
+  int64_t cuda_outside_bytes = 0;
   nlohmann::json json() const;      // the {"type": "summary", ...} line
 };
 
