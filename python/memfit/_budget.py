@@ -7,6 +7,19 @@ from memfit._sizes import parse_budget
 _C = load()
 
 
+_outside = {}
+
+
+def outside_bytes(device):
+    """Memory a CUDA device's caching allocator does not hold (the context, cuBLAS's handle),
+    measured once per device: a budget counts it, so the allocator's cap is the rest. 0 on the CPU."""
+    if device.type != "cuda":
+        return 0
+    if device.index not in _outside:
+        _outside[device.index] = _C.measure_outside_memory(device.index)["total"]
+    return _outside[device.index]
+
+
 def _device_of(device):
     if device is None:
         return torch.device("cpu")
@@ -24,8 +37,9 @@ class budget:
     ``size``: it raises the error a GPU out-of-memory raises (``torch.cuda.OutOfMemoryError``,
     a RuntimeError whose message contains "out of memory"), the failed step's tensors are freed as
     the exception unwinds, and the process goes on. Tensors made before ``import memfit`` are not
-    counted. On a CUDA device the budget is the caching allocator's memory fraction for that
-    device (its reserved bytes are capped at ``size``), restored on exit.
+    counted. On a CUDA device the budget is the device's: the memory outside the caching allocator
+    (the CUDA context, cuBLAS's handle) counts against it, and the allocator's memory fraction
+    caps its reserved bytes at the rest, restored on exit.
 
     ``size``: bytes as an int, or a text such as ``"2GiB"``, ``"800MB"``, ``"1.5e9"``.
 
@@ -45,7 +59,11 @@ class budget:
 
     def __enter__(self):
         if self.device.type == "cuda":
-            self._fraction = _C.CudaMemoryFraction(self.bytes, self.device.index)
+            cap = self.bytes - outside_bytes(self.device)
+            if cap <= 0:
+                raise ValueError(f"budget {self.bytes} bytes: expected more than the {outside_bytes(self.device)} bytes "
+                                 f"{self.device} holds outside its caching allocator (its context)")
+            self._fraction = _C.CudaMemoryFraction(cap, self.device.index)
             torch.cuda.reset_peak_memory_stats(self.device)
             return self
         _C.install_budget_allocator()
@@ -56,7 +74,7 @@ class budget:
 
     def __exit__(self, *exc):
         if self._fraction is not None:
-            self.peak_bytes = torch.cuda.max_memory_reserved(self.device)
+            self.peak_bytes = torch.cuda.max_memory_reserved(self.device) + outside_bytes(self.device)
             self._fraction.close()
             self._fraction = None
             return False

@@ -5,7 +5,7 @@ import weakref
 
 import torch
 
-from memfit import _batch, _blocks, _storage
+from memfit import _batch, _blocks, _budget, _storage
 from memfit._loader import load
 from memfit._profile import Profiler, has_8bit_state, measure_optimizer, optimizer_family
 from memfit._progress import observer as make_observer
@@ -161,6 +161,7 @@ def _request(optimizer, samples, device, costs, resident, optimizer_state, micro
     r.lr = float(optimizer.param_groups[0].get("lr", 1e-3))
     r.optimizer_costs = costs
     r.resident_bytes = resident
+    r.outside_bytes = _budget.outside_bytes(device)  # a CUDA budget counts it too
     r.margin = margin
     return r
 
@@ -214,7 +215,7 @@ def plan(model, optimizer, loss_fn, batch, budget, blocks=None, precisions=("fp3
         _C.make_dynamic_maps(str(device))  # constants for the process's life: resident from now on
     obs = make_observer(progress)
     state = ModelState(model, optimizer, device)
-    tracker = _C.Tracker()
+    tracker = _C.Tracker(str(device))
     try:
         gc.collect()  # tensors held only by unreachable cycles would count as resident, then be freed
         resident = resident_bytes(model, optimizer, batch, device)

@@ -30,6 +30,7 @@ struct RequestOptions {
   double lr = 1e-3;
   std::vector<OptimizerCost> optimizer_costs;  // the first is the spec's (fp32 under auto)
   int64_t resident_bytes = 0;
+  int64_t outside_bytes = 0;        // CUDA: memory outside the caching allocator (memfit.budget's too)
   double margin = kPlanMargin;
 };
 
@@ -46,6 +47,7 @@ PlanRequest make_request(const RequestOptions& o) {
   r.optimizer = o.optimizer_costs.front();
   r.optimizer_alternatives.assign(o.optimizer_costs.begin() + 1, o.optimizer_costs.end());
   r.resident_bytes = o.resident_bytes;
+  r.outside_bytes = o.outside_bytes;
   r.margin = o.margin;
   return r;
 }
@@ -176,6 +178,7 @@ void bind_planner(py::module_& m) {
       .def_readwrite("lr", &RequestOptions::lr)
       .def_readwrite("optimizer_costs", &RequestOptions::optimizer_costs)
       .def_readwrite("resident_bytes", &RequestOptions::resident_bytes)
+      .def_readwrite("outside_bytes", &RequestOptions::outside_bytes)
       .def_readwrite("margin", &RequestOptions::margin);
   py::class_<Planner>(m, "Planner")
       .def(py::init([](const WorkloadProfile& profile, const RequestOptions& o) { return Planner(profile, make_request(o)); }))
