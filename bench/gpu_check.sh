@@ -1,11 +1,13 @@
 #!/usr/bin/env bash
 # The GPU check: on a machine with CUDA and PyTorch 2.x, builds memfit against that PyTorch's
-# LibTorch, then checks the CUDA caching allocator model against the allocator itself (issue 32:
-# bench/harness/gpu_allocator_check.py, five configurations and more, predicted vs measured reserved and
-# allocated peaks, plans verified by 20 steps under the memory fraction with no retry and no
-# out-of-memory error: one markdown table with the card's name, for bench/RESULTS.md), then,
-# with the time left, builds and runs the test suite (ctest) in that CUDA build. Within 9 minutes
-# in all; everything goes to one results file.
+# LibTorch (or takes a CLI built elsewhere), then runs memfit against the CUDA caching allocator
+# itself (bench/harness/gpu_allocator_check.py: the plain step's reserved peak predicted against
+# max_memory_reserved; `memfit train --device cuda` 20 steps at 90/60/45% of it, the GPT in fp32
+# and bf16, the CNN, a TorchScript GPT in bf16, with no allocator retry or out-of-memory error;
+# the optimizer offloaded; and with a wheel, the Python package's memfit.fit on a Hugging
+# Face-style GPT-2 at 60/45%: one markdown table with the card's name, for bench/RESULTS.md),
+# then, with the time left, the test suite (ctest) in that CUDA build. Within 7 minutes by
+# default; everything goes to one results file.
 #
 #   bash bench/gpu_check.sh [RESULTS_FILE]          # default: gpu_check.txt
 #
@@ -14,7 +16,12 @@
 #   GPU_CHECK_BUILD_DIR=DIR    build there (default: build-gpu-check); a directory that is
 #                              already configured is reused as it is (no second full build)
 #   GPU_CHECK_JOBS=N           compile jobs (default: all cores)
-#   GPU_CHECK_SECONDS=S        the whole check's time limit (default 540)
+#   GPU_CHECK_SECONDS=S        the whole check's time limit (default 420: 8 minutes of device time
+#                              with the machine's start)
+#   GPU_CHECK_WHEEL=FILE       the Python package's wheel, built elsewhere for this torch (pip wheel
+#                              . with it): installed into a temporary folder, its rows added
+#   GPU_CHECK_REHEARSE=1       first, every GPU row on the CPU with tiny shapes (their commands and
+#                              fields checked before a GPU's time is spent on them)
 #   GPU_CHECK_CTEST=0          skip the test suite (the allocator check alone)
 #   GPU_CHECK_MEMFIT=FILE      a memfit CLI built elsewhere against the same LibTorch (carried to
 #                              the machine): no configure, no build, no test suite; the libraries
@@ -40,7 +47,7 @@ root=$(cd "$(dirname "$0")/.." && pwd)
 results=$(realpath -m "${1:-gpu_check.txt}")
 build=$(realpath -m "${GPU_CHECK_BUILD_DIR:-$root/build-gpu-check}")
 jobs=${GPU_CHECK_JOBS:-$(nproc)}
-deadline=$(($(date +%s) + ${GPU_CHECK_SECONDS:-540}))
+deadline=$(($(date +%s) + ${GPU_CHECK_SECONDS:-420}))
 : > "$results"
 log() { echo "$*" | tee -a "$results"; }
 left() { local s=$((deadline - $(date +%s))); echo $((s > 0 ? s : 1)); }
@@ -50,7 +57,7 @@ run() {
   log "== $label: $*"
   timeout "$(left)" "$@" >> "$results" 2>&1
   local rc=$?
-  [ $rc -eq 124 ] && log "-- $label: TIMED OUT (the check's ${GPU_CHECK_SECONDS:-540} s ran out)" || log "-- $label: exit $rc"
+  [ $rc -eq 124 ] && log "-- $label: TIMED OUT (the check's ${GPU_CHECK_SECONDS:-420} s ran out)" || log "-- $label: exit $rc"
   return $rc
 }
 fail() { log "gpu_check: FAILED: $*"; exit 1; }
@@ -157,6 +164,31 @@ if [ "${GPU_CHECK_ZERO3_ROUNDS:-0}" -gt 0 ]; then
   done
 fi
 
+# The Python package, from a wheel built elsewhere for this torch (no compiler needed here):
+# installed into the work folder, beside the interpreter's own packages.
+wheel_python=""
+if [ -n "${GPU_CHECK_WHEEL:-}" ] && [ -n "$py" ]; then
+  pkg=$(mktemp -d)
+  if "$py" -m pip install -q --no-deps --no-index --target "$pkg" "$GPU_CHECK_WHEEL" >> "$results" 2>&1; then
+    wheel_python="$pkg/python"
+    printf '#!/bin/sh\nPYTHONPATH="%s${PYTHONPATH:+:$PYTHONPATH}" exec "%s" "$@"\n' "$pkg" "$(command -v "$py")" > "$wheel_python"
+    chmod +x "$wheel_python"
+    log "the Python package from $GPU_CHECK_WHEEL: $("$wheel_python" -c 'import memfit; print("memfit built for torch", memfit.built_torch_version())' 2>&1 | tail -1)"
+  else
+    log "warning: $GPU_CHECK_WHEEL did not install (see above): no Python rows"
+  fi
+fi
+
+# The rows rehearsed on the CPU (GPU_CHECK_REHEARSE=1): the same commands and fields, tiny shapes.
+if [ "${GPU_CHECK_REHEARSE:-0}" = 1 ]; then
+  rehearsal=$(mktemp -d)
+  log "== the GPU rows rehearsed on the CPU (bench/harness/gpu_allocator_check.py --rehearse)"
+  timeout "$(left)" "${py:-/usr/bin/python3}" "$root/bench/harness/gpu_allocator_check.py" "$memfit" "$rehearsal" \
+    --python "${py:-/usr/bin/python3}" ${wheel_python:+--python-package "$wheel_python"} --deadline "$deadline" --rehearse 2>&1 |
+    tee -a "$results"
+  log "-- rehearsal: exit ${PIPESTATUS[0]}"
+fi
+
 if [ -n "$no_cuda" ]; then
   log "gpu_check: NO CUDA ($no_cuda): built and checked on CPU only; nothing measured on a GPU"
   exit 3
@@ -184,7 +216,7 @@ PY
 fi
 log "== allocator check on ${card:-an unnamed card} (bench/harness/gpu_allocator_check.py)"
 timeout "$(left)" "$py" "$root/bench/harness/gpu_allocator_check.py" "$memfit" "$work" --python "$py" \
-  --deadline "$deadline" --card "${card:-?}" 2>&1 | tee -a "$results"
+  ${wheel_python:+--python-package "$wheel_python"} --deadline "$deadline" --card "${card:-?}" 2>&1 | tee -a "$results"
 allocator_rc=${PIPESTATUS[0]}
 log "-- allocator check: exit $allocator_rc"
 
@@ -193,7 +225,7 @@ ctest_rc=0
 if [ "${GPU_CHECK_CTEST:-1}" = 0 ]; then
   log "ctest skipped (GPU_CHECK_CTEST=0)"
 elif [ "$(left)" -lt 120 ]; then
-  log "ctest skipped: $(left) s left of ${GPU_CHECK_SECONDS:-540} (GPU_CHECK_SECONDS=900 runs it too)"
+  log "ctest skipped: $(left) s left of ${GPU_CHECK_SECONDS:-420} (GPU_CHECK_SECONDS=900 runs it too)"
 else
   run "build the rest" cmake --build "$build" -j"$jobs" && \
     MEMFIT_TEST_PYTHON=$py run "ctest" ctest --test-dir "$build" --output-on-failure -j"$jobs" --timeout 300
