@@ -1,6 +1,6 @@
 #!/usr/bin/python3
 """The user's models of the TorchScript benchmark: Python models, as a PyTorch user writes them,
-exported the way memfit's README says (an nn.Sequential of blocks, torch.jit.script, torch.save
+exported the way docs/cli.md says (an nn.Sequential of blocks, torch.jit.script, torch.save
 of the data). The blocks are tests/torchscript/export_models.py's; the sizes here are a
 training step's, not a test's.
 

@@ -1,5 +1,5 @@
-"""The lesson's memory tactics, each measured with memfit.track() on the README's TinyLM (CPU):
-prints the README's table. `python python/examples/tactics.py`"""
+"""The lesson's memory tactics, each measured with memfit.track() on the quickstart's TinyLM (CPU):
+prints the table in docs/python.md. `python python/examples/tactics.py`"""
 import os
 import sys
 
