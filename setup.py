@@ -38,7 +38,7 @@ BINDING_SOURCES = [
     "python/src/bind_measure.cpp",
     "python/src/bind_plan.cpp",
     "python/src/bind_optim.cpp",
-    "python/src/track_analysis.cpp",
+    "python/src/bind_step.cpp",
 ]
 
 

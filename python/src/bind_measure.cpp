@@ -18,7 +18,6 @@
 #include "memfit/report/document.h"
 #include "memfit/report/html_report.h"
 #include "memfit/techniques/rng.h"
-#include "track_analysis.h"
 #include "tracker.h"
 
 namespace py = pybind11;
@@ -43,11 +42,11 @@ struct TrackerInstall {
 
 // An analysed recording, and the HTML report of it.
 struct Analysis {
-  TrackedAnalysis result;
+  StepAnalysis result;
   std::vector<std::string> group_names;
 
   py::dict categories() const {
-    const Categories& c = result.step.at_peak;
+    const Categories& c = result.at_peak;
     py::dict d;
     d["weights"] = c.weights + c.buffers;  // a module's parameters and buffers
     d["gradients"] = c.gradients;
@@ -57,7 +56,7 @@ struct Analysis {
     return d;
   }
   py::dict details() const {
-    const Categories& c = result.step.at_peak;
+    const Categories& c = result.at_peak;
     py::dict d;
     d["parameters"] = c.weights;
     d["buffers"] = c.buffers;
@@ -69,7 +68,7 @@ struct Analysis {
     doc.title = title;
     doc.device = device;
     doc.budget_bytes = budget;
-    doc.step = result.step;
+    doc.step = result;
     doc.block_names = group_names;
     doc.block_recomputed.assign(group_names.size(), false);
     return doc;
@@ -138,7 +137,7 @@ void bind_measure(py::module_& m) {
            [](const Tracker& t, const std::vector<int>& tag_group, const std::vector<std::string>& groups) {
              py::gil_scoped_release release;
              Analysis a;
-             a.result = analyze_tracked(*t.tracker, t.snapshots, tag_group, static_cast<int>(groups.size()), t.counted);
+             a.result = analyze_recording(*t.tracker, t.snapshots, tag_group, static_cast<int>(groups.size()), t.counted);
              a.group_names = groups;
              return a;
            });
@@ -155,16 +154,16 @@ void bind_measure(py::module_& m) {
   });
 
   py::class_<Analysis>(m, "Analysis")
-      .def_property_readonly("peak_bytes", [](const Analysis& a) { return a.result.step.peak_bytes; })
-      .def_property_readonly("peak_phase", [](const Analysis& a) { return std::string(phase_name(a.result.step.peak_phase)); })
-      .def_property_readonly("peak_tag", [](const Analysis& a) { return a.result.peak_tag; })
-      .def_property_readonly("peak_seconds", [](const Analysis& a) { return a.result.step.peak_t_ns * 1e-9; })
+      .def_property_readonly("peak_bytes", [](const Analysis& a) { return a.result.peak_bytes; })
+      .def_property_readonly("peak_phase", [](const Analysis& a) { return std::string(phase_name(a.result.peak_phase)); })
+      .def_property_readonly("peak_tag", [](const Analysis& a) { return a.result.peak_block; })
+      .def_property_readonly("peak_seconds", [](const Analysis& a) { return a.result.peak_t_ns * 1e-9; })
       .def("categories", &Analysis::categories)
       .def("details", &Analysis::details)
-      .def("group_activation_bytes", [](const Analysis& a) { return a.result.step.block_activation_bytes; })
+      .def("group_activation_bytes", [](const Analysis& a) { return a.result.block_activation_bytes; })
       .def("phase_peaks", [](const Analysis& a) {
         py::list out;
-        for (const auto& s : a.result.step.phases) {
+        for (const auto& s : a.result.phases) {
           out.append(py::make_tuple(phase_name(s.phase), s.start_ns * 1e-9, s.end_ns * 1e-9, s.peak_bytes));
         }
         return out;

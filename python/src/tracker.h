@@ -1,5 +1,5 @@
 // tracker.h — the memory tracker as the Python package holds it: the MemoryTracker and the role
-// snapshots taken while it records (track_analysis.h).
+// snapshots taken while it records (measure/breakdown.h's analyze_recording replays them).
 #pragma once
 
 #include <ATen/ATen.h>
@@ -10,7 +10,7 @@
 #include <vector>
 
 #include "memfit/measure/memory_tracker.h"
-#include "track_analysis.h"
+#include "memfit/measure/breakdown.h"
 
 namespace memfit::python {
 

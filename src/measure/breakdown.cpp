@@ -15,21 +15,10 @@ void add_known(std::unordered_set<const void*>& set, const at::Tensor& t) {
   if (const void* p = storage_ptr(t)) set.insert(p);
 }
 
-enum class Cat : uint8_t { kWeights, kBuffers, kGradients, kOptimizer, kActivations, kOther, kAutocastCache };
+enum class Role : uint8_t { kNone, kWeights, kBuffers, kGradients, kOptimizer };
 
-void add(Categories& c, Cat cat, int64_t bytes) {
-  switch (cat) {
-    case Cat::kWeights: c.weights += bytes; break;
-    case Cat::kBuffers: c.buffers += bytes; break;
-    case Cat::kGradients: c.gradients += bytes; break;
-    case Cat::kOptimizer: c.optimizer_state += bytes; break;
-    case Cat::kActivations: c.activations += bytes; break;
-    case Cat::kOther: c.other += bytes; break;
-    case Cat::kAutocastCache: c.other += bytes; c.autocast_cache += bytes; break;
-  }
-}
-
-// An allocation is identified by (pointer, index of its allocating event); -1 = before recording.
+// An allocation: the index of its allocating event (-1 - k for the k-th alive when recording
+// started), its bytes, and what was running when it was made.
 struct Alloc {
   int64_t id;
   int64_t bytes;
@@ -37,139 +26,155 @@ struct Alloc {
   int16_t block;
 };
 
-// What the end of the step tells about each allocation.
-struct Survivors {
-  std::unordered_map<const void*, int64_t> alive_id;  // pointer -> id of the allocation alive at the end
-  std::unordered_set<int64_t> cache_ids;              // allocations freed when autocast's cache was cleared
+// Pass 1: the role of each allocation, from the snapshots, and which allocations were autocast's
+// cached weight copies (freed when the cache was cleared).
+struct Roles {
+  std::unordered_map<int64_t, Role> role;
+  std::unordered_set<int64_t> cache;
 };
 
-// Pass 1: which allocation of each pointer survives to the end, and which were freed when
-// autocast's cache was cleared.
-Survivors find_survivors(const MemoryTracker& tracker, MemoryDevice device) {
-  Survivors s;
-  for (const auto& a : tracker.live_at_start()) {
-    if (a.device == device) s.alive_id[a.ptr] = -1;
+void apply_snapshot(const RoleSnapshot& s, const std::unordered_map<const void*, int64_t>& alive, Roles& roles) {
+  const auto mark = [&](const std::vector<const void*>& ptrs, Role role) {
+    for (const void* p : ptrs) {
+      const auto it = alive.find(p);
+      if (it != alive.end()) roles.role[it->second] = role;
+    }
+  };
+  mark(s.weights, Role::kWeights);
+  mark(s.buffers, Role::kBuffers);
+  mark(s.gradients, Role::kGradients);
+  mark(s.optimizer_state, Role::kOptimizer);
+}
+
+Roles find_roles(const MemoryTracker& tracker, const std::vector<RoleSnapshot>& snapshots, MemoryDevice device) {
+  Roles roles;
+  std::unordered_map<const void*, int64_t> alive;
+  const auto& start = tracker.live_at_start();
+  for (size_t k = 0; k < start.size(); ++k) {
+    if (start[k].device == device) alive[start[k].ptr] = -1 - static_cast<int64_t>(k);
   }
   const auto& events = tracker.events();
-  for (size_t i = 0; i < events.size(); ++i) {
+  size_t next = 0;
+  for (size_t i = 0; i <= events.size(); ++i) {
+    while (next < snapshots.size() && snapshots[next].event_index <= i) apply_snapshot(snapshots[next++], alive, roles);
+    if (i == events.size()) break;
     const MemoryEvent& e = events[i];
     if (e.device != device) continue;
     if (e.delta > 0) {
-      s.alive_id[e.ptr] = static_cast<int64_t>(i);
-    } else {
-      auto it = s.alive_id.find(e.ptr);
-      if (it == s.alive_id.end()) continue;
-      if (e.block == kAutocastCacheTag) s.cache_ids.insert(it->second);
-      s.alive_id.erase(it);
+      alive[e.ptr] = static_cast<int64_t>(i);
+      continue;
     }
+    const auto it = alive.find(e.ptr);
+    if (it == alive.end()) continue;
+    if (e.block == kAutocastCacheTag) roles.cache.insert(it->second);
+    alive.erase(it);
   }
-  return s;
+  return roles;
 }
 
-// A storage is a weight, buffer, gradient or optimizer state only if it is the very allocation still
-// alive at the end of the step.
-Cat category(const void* ptr, const Alloc& a, const Survivors& s, const KnownStorage& known) {
-  auto it = s.alive_id.find(ptr);
-  const bool survives = it != s.alive_id.end() && it->second == a.id;
-  if (survives) {
-    if (known.weights.count(ptr)) return Cat::kWeights;
-    if (known.buffers.count(ptr)) return Cat::kBuffers;
-    if (known.gradients.count(ptr)) return Cat::kGradients;
-    if (known.optimizer_state.count(ptr)) return Cat::kOptimizer;
+// Adds `bytes` of allocation `a` to its category: its role, else autocast's cache, else an
+// activation where made in a forward, recompute or evaluation, else other.
+void add(Categories& c, const Alloc& a, const Roles& roles, int64_t bytes) {
+  const auto r = roles.role.find(a.id);
+  switch (r == roles.role.end() ? Role::kNone : r->second) {
+    case Role::kWeights: c.weights += bytes; return;
+    case Role::kBuffers: c.buffers += bytes; return;
+    case Role::kGradients: c.gradients += bytes; return;
+    case Role::kOptimizer: c.optimizer_state += bytes; return;
+    case Role::kNone: break;
   }
-  if (s.cache_ids.count(a.id) || a.block == kAutocastCacheTag) return Cat::kAutocastCache;
-  if (a.phase == Phase::kForward || a.phase == Phase::kRecompute || a.phase == Phase::kEval) {
-    return Cat::kActivations;
+  if (roles.cache.count(a.id) || a.block == kAutocastCacheTag) {
+    c.other += bytes;
+    c.autocast_cache += bytes;
+  } else if (a.phase == Phase::kForward || a.phase == Phase::kRecompute || a.phase == Phase::kEval) {
+    c.activations += bytes;
+  } else {
+    c.other += bytes;
   }
-  return Cat::kOther;
 }
 
-// Pass 2's state: the allocations alive and the running totals per category.
+// Pass 2: the running categories after every event.
 struct Replay {
-  const KnownStorage& known;
-  const Survivors& survivors;
-  int num_blocks;
+  const Roles& roles;
+  const std::vector<int>& block_group;
   StepAnalysis out;
   std::unordered_map<const void*, Alloc> live;
   Categories now;
   size_t next_mark = 0;
   Phase phase = Phase::kOther;
-  bool first_forward_done = false;
-  bool in_forward = false;
-};
+  bool in_forward = false, first_forward_done = false;
 
-// What was alive before recording: the first timeline point.
-void start_replay(Replay& r, const MemoryTracker& tracker, MemoryDevice device) {
-  const auto& marks = tracker.phase_marks();
-  r.out.block_activation_bytes.assign(static_cast<size_t>(std::max(r.num_blocks, 0)), 0);
-  for (const auto& a : tracker.live_at_start()) {
-    if (a.device != device) continue;
-    Alloc al{-1, a.bytes, Phase::kOther, kNoBlock};
-    r.live[a.ptr] = al;
-    add(r.now, category(a.ptr, al, r.survivors, r.known), a.bytes);
+  // What was alive before recording: the first timeline point.
+  void start(const MemoryTracker& tracker, MemoryDevice device) {
+    const auto& begin = tracker.live_at_start();
+    for (size_t k = 0; k < begin.size(); ++k) {
+      if (begin[k].device != device) continue;
+      const Alloc a{-1 - static_cast<int64_t>(k), begin[k].bytes, Phase::kOther, kNoBlock};
+      live[begin[k].ptr] = a;
+      add(now, a, roles, a.bytes);
+    }
+    const auto& marks = tracker.phase_marks();
+    out.at_start = out.at_peak = now;
+    out.peak_bytes = now.total();
+    out.timeline.push_back({0, marks.empty() ? Phase::kOther : marks.front().phase, now});
   }
-  r.out.at_start = r.now;
-  r.out.at_peak = r.now;
-  r.out.peak_bytes = r.now.total();
-  r.out.timeline.push_back({0, marks.empty() ? Phase::kOther : marks.front().phase, r.now});
-}
-
-// End of the first forward: what each block left alive for backward.
-void record_block_activations(Replay& r) {
-  for (const auto& [ptr, a] : r.live) {
-    if (a.phase == Phase::kForward && a.block >= 0 && a.block < r.num_blocks) {
-      r.out.block_activation_bytes[static_cast<size_t>(a.block)] += a.bytes;
+  // End of the first forward: what each group of blocks left alive for backward.
+  void record_group_activations() {
+    for (const auto& [ptr, a] : live) {
+      if (a.phase != Phase::kForward || a.block < 0 || static_cast<size_t>(a.block) >= block_group.size()) continue;
+      const int g = block_group[static_cast<size_t>(a.block)];
+      if (g >= 0 && static_cast<size_t>(g) < out.block_activation_bytes.size()) {
+        out.block_activation_bytes[static_cast<size_t>(g)] += a.bytes;
+      }
     }
   }
-}
-
-void close_span(StepAnalysis& out, int64_t t) {
-  if (!out.phases.empty() && out.phases.back().end_ns < 0) out.phases.back().end_ns = t;
-}
-
-// Enters every phase marked at or before event_index: closes the open span, opens the next.
-void apply_marks(Replay& r, const std::vector<PhaseMark>& marks, size_t event_index) {
-  while (r.next_mark < marks.size() && marks[r.next_mark].event_index <= event_index) {
-    const PhaseMark& m = marks[r.next_mark++];
-    if (r.in_forward && m.phase != Phase::kForward && !r.first_forward_done) {
-      r.first_forward_done = true;
-      record_block_activations(r);
-    }
-    r.in_forward = m.phase == Phase::kForward;
-    r.phase = m.phase;
-    close_span(r.out, m.t_ns);
-    r.out.phases.push_back({m.phase, m.t_ns, -1, r.now.total()});
+  void close_span(int64_t t) {
+    if (!out.phases.empty() && out.phases.back().end_ns < 0) out.phases.back().end_ns = t;
   }
-}
-
-// Applies event i to the live set and the totals; false for a free of an allocation never seen
-// (it changes nothing, so it adds no timeline point).
-bool apply_event(Replay& r, const MemoryEvent& e, size_t i) {
-  if (e.delta > 0) {
-    Alloc a{static_cast<int64_t>(i), e.delta, e.phase, e.block};
-    r.live[e.ptr] = a;
-    add(r.now, category(e.ptr, a, r.survivors, r.known), e.delta);
+  // Enters every phase marked at or before event_index: closes the open span, opens the next.
+  void apply_marks(const std::vector<PhaseMark>& marks, size_t event_index) {
+    while (next_mark < marks.size() && marks[next_mark].event_index <= event_index) {
+      const PhaseMark& m = marks[next_mark++];
+      if (in_forward && m.phase != Phase::kForward && !first_forward_done) {
+        first_forward_done = true;
+        record_group_activations();
+      }
+      in_forward = m.phase == Phase::kForward;
+      phase = m.phase;
+      close_span(m.t_ns);
+      out.phases.push_back({m.phase, m.t_ns, -1, now.total()});
+    }
+  }
+  // Applies event i to the live set and the totals; false for a free of an allocation never
+  // seen (it changes nothing, so it adds no timeline point).
+  bool apply_event(const MemoryEvent& e, size_t i) {
+    if (e.delta > 0) {
+      const Alloc a{static_cast<int64_t>(i), e.delta, e.phase, e.block};
+      live[e.ptr] = a;
+      add(now, a, roles, e.delta);
+      return true;
+    }
+    const auto it = live.find(e.ptr);
+    if (it == live.end()) return false;
+    add(now, it->second, roles, -it->second.bytes);
+    live.erase(it);
     return true;
   }
-  auto it = r.live.find(e.ptr);
-  if (it == r.live.end()) return false;
-  add(r.now, category(e.ptr, it->second, r.survivors, r.known), -it->second.bytes);
-  r.live.erase(it);
-  return true;
-}
-
-// A timeline point after an event; raises the open span's peak and the step's peak.
-void record_point(Replay& r, int64_t t_ns) {
-  StepAnalysis& out = r.out;
-  out.timeline.push_back({t_ns, r.phase, r.now});
-  if (!out.phases.empty()) out.phases.back().peak_bytes = std::max(out.phases.back().peak_bytes, r.now.total());
-  if (r.now.total() > out.peak_bytes) {
-    out.peak_bytes = r.now.total();
-    out.peak_t_ns = t_ns;
-    out.peak_phase = r.phase;
-    out.at_peak = r.now;
+  // A timeline point after an event; raises the open span's peak and the step's peak.
+  void record_point(const MemoryEvent& e) {
+    out.timeline.push_back({e.t_ns, phase, now});
+    if (!out.phases.empty()) out.phases.back().peak_bytes = std::max(out.phases.back().peak_bytes, now.total());
+    if (now.total() > out.peak_bytes) {
+      out.peak_bytes = now.total();
+      out.peak_t_ns = e.t_ns;
+      out.peak_phase = phase;
+      out.at_peak = now;
+      out.peak_block = e.block;
+    }
   }
-}
+};
+
+std::vector<const void*> as_list(const std::unordered_set<const void*>& set) { return {set.begin(), set.end()}; }
 
 }  // namespace
 
@@ -206,30 +211,41 @@ Categories classify_live(const MemoryTracker& tracker, const KnownStorage& known
   return c;
 }
 
-StepAnalysis analyze_step(const MemoryTracker& tracker, const KnownStorage& known, int num_blocks,
-                          MemoryDevice device) {
+RoleSnapshot role_snapshot(size_t event_index, const KnownStorage& known) {
+  return {event_index, as_list(known.weights), as_list(known.buffers), as_list(known.gradients),
+          as_list(known.optimizer_state)};
+}
+
+StepAnalysis analyze_recording(const MemoryTracker& tracker, std::vector<RoleSnapshot> snapshots,
+                               const std::vector<int>& block_group, int groups, MemoryDevice device) {
+  std::stable_sort(snapshots.begin(), snapshots.end(),
+                   [](const RoleSnapshot& a, const RoleSnapshot& b) { return a.event_index < b.event_index; });
+  const Roles roles = find_roles(tracker, snapshots, device);
+  Replay r{roles, block_group, {}, {}, {}};
+  r.out.block_activation_bytes.assign(static_cast<size_t>(std::max(groups, 0)), 0);
+  r.start(tracker, device);
   const auto& events = tracker.events();
   const auto& marks = tracker.phase_marks();
-  const Survivors survivors = find_survivors(tracker, device);
-
-  // Pass 2: running totals per category after every event.
-  Replay r{known, survivors, num_blocks, {}, {}, {}};
-  start_replay(r, tracker, device);
   for (size_t i = 0; i < events.size(); ++i) {
-    apply_marks(r, marks, i);
-    const MemoryEvent& e = events[i];
-    if (e.device != device) continue;
-    if (!apply_event(r, e, i)) continue;
-    record_point(r, e.t_ns);
+    r.apply_marks(marks, i);
+    if (events[i].device != device || !r.apply_event(events[i], i)) continue;
+    r.record_point(events[i]);
   }
-  apply_marks(r, marks, events.size());
-  close_span(r.out, r.out.timeline.back().t_ns);
+  r.apply_marks(marks, events.size());
+  if (!r.first_forward_done) r.record_group_activations();
+  r.close_span(r.out.timeline.back().t_ns);
   r.out.at_end = r.now;
   // Spans with no duration carry no information.
-  r.out.phases.erase(std::remove_if(r.out.phases.begin(), r.out.phases.end(),
-                                    [](const PhaseSpan& s) { return s.end_ns <= s.start_ns; }),
-                     r.out.phases.end());
+  auto& phases = r.out.phases;
+  phases.erase(std::remove_if(phases.begin(), phases.end(), [](const PhaseSpan& s) { return s.end_ns <= s.start_ns; }),
+               phases.end());
   return std::move(r.out);
+}
+
+StepAnalysis analyze_step(const MemoryTracker& tracker, const KnownStorage& known, int num_blocks, MemoryDevice device) {
+  std::vector<int> block_group(static_cast<size_t>(std::max(num_blocks, 0)));
+  for (size_t b = 0; b < block_group.size(); ++b) block_group[b] = static_cast<int>(b);
+  return analyze_recording(tracker, {role_snapshot(tracker.events().size(), known)}, block_group, num_blocks, device);
 }
 
 nlohmann::json categories_json(const Categories& c) {

@@ -5,8 +5,9 @@
 // Categories are decided by storage identity, from the tracker's recorded events:
 // - weights, buffers, gradients, optimizer state: the storages of the parameters, of the
 //   modules' buffers (BatchNorm's running statistics and the like), of the parameters' .grad and
-//   of the optimizer's state tensors, as they are at the end of the step (an allocation counts
-//   only if it is the very one still alive at the end);
+//   of the optimizer's state tensors, as listed at given moments (RoleSnapshot: a step's end, or
+//   around each optimizer step of Python code that releases its gradients before the end): an
+//   allocation takes a role when it is the one alive under a listed storage at such a moment;
 // - activations: other allocations made in the forward or recompute phase (what forward keeps
 //   for backward, and forward's temporaries while they live);
 // - other: the rest (input batch, gradients of activations in backward, loss, autocast's
@@ -71,6 +72,7 @@ struct PhaseSpan {
 
 struct StepAnalysis {
   int64_t peak_bytes = 0;
+  int16_t peak_block = kNoBlock;  // the block tag of the allocation that reached the peak
   int64_t peak_t_ns = 0;
   Phase peak_phase = Phase::kOther;
   Categories at_peak;
@@ -78,11 +80,26 @@ struct StepAnalysis {
   Categories at_end;
   std::vector<TimelinePoint> timeline;    // after each event
   std::vector<PhaseSpan> phases;          // in order (recompute spans interleave with backward)
-  std::vector<int64_t> block_activation_bytes;  // per chain block, at the end of the first forward
+  std::vector<int64_t> block_activation_bytes;  // per group of blocks, at the end of the first forward
 };
 
-// Replays the events the tracker recorded for one step. `known` must describe the end of the
-// step (call known_storage() before releasing gradients).
+// The storages with a role at one moment of a recording: taken before event `event_index`
+// (events().size(): after the last one).
+struct RoleSnapshot {
+  size_t event_index = 0;
+  std::vector<const void*> weights, buffers, gradients, optimizer_state;
+};
+RoleSnapshot role_snapshot(size_t event_index, const KnownStorage& known);
+
+// Replays the tracker's recording on `device`: categories at every event, by the roles the
+// snapshots give. `block_group` maps a block tag to the group whose activations
+// StepAnalysis::block_activation_bytes sums (`groups` of them; a tag outside it counts in none).
+StepAnalysis analyze_recording(const MemoryTracker& tracker, std::vector<RoleSnapshot> snapshots,
+                               const std::vector<int>& block_group, int groups, MemoryDevice device);
+
+// Replays the events the tracker recorded for one step: analyze_recording with one snapshot,
+// `known` at the end of the step (call known_storage() before releasing gradients), and a group
+// per block.
 StepAnalysis analyze_step(const MemoryTracker& tracker, const KnownStorage& known, int num_blocks, MemoryDevice device);
 
 }  // namespace memfit
