@@ -35,6 +35,7 @@
 // values, and the step runner composing the techniques.
 #include "memfit/runtime/chain.h"
 #include "memfit/runtime/dataset.h"
+#include "memfit/runtime/oom_recovery.h"
 #include "memfit/runtime/optimizer.h"
 #include "memfit/runtime/optimizer_offload.h"
 #include "memfit/runtime/step.h"
@@ -53,6 +54,7 @@
 #include "memfit/plan/reserved_check.h"
 #include "memfit/plan/reserved_fit.h"
 #include "memfit/plan/schedule.h"
+#include "memfit/plan/timing_rounds.h"
 #include "memfit/plan/verify.h"
 
 // report/: `memfit report`, the HTML report's document and the page.
@@ -61,9 +63,8 @@
 #include "memfit/report/report.h"
 
 // train/: the Trainer and its events, the strategies over a process group (one process, ZeRO
-// 0-2, ZeRO 3), saved state, out-of-memory recovery.
+// 0-2, ZeRO 3), saved state.
 #include "memfit/train/events.h"
-#include "memfit/train/oom_recovery.h"
 #include "memfit/train/process_group.h"
 #include "memfit/train/saved_state.h"
 #include "memfit/train/single_process.h"

@@ -1,4 +1,5 @@
 #include "memfit/plan/profile.h"
+#include "memfit/plan/timing_rounds.h"
 
 #include <torch/torch.h>
 
@@ -71,73 +72,19 @@ struct ChainRun {
     const int64_t m = size.micro_batch;
     return m < batch.size() ? (*this)(m) : fresh(m);
   }
-  // A first run of each size as in a step, paying for first use (oneDNN builds kernels per
-  // shape). A first run of kMinTimedSeconds or more is kept as the size's first timed run:
-  // what first use adds (milliseconds of kernel builds) is small beside it, and a first run
-  // slower than the rest is outvoted by the median. A whole batch may take seconds a run, and
-  // throwing one away would be a large share of planning.
-  std::vector<std::vector<double>> first_uses(const std::vector<RunSize>& sizes) {
+  // Each size's median of its runs as in a step, by timing_rounds.h's rule: first uses (the
+  // profile may come from a cache: a size may be new), then alternating rounds.
+  std::vector<double> medians(const std::vector<RunSize>& sizes, bool first_use) {
     ensure_gradients();
-    std::vector<std::vector<double>> kept(sizes.size());
-    for (size_t i = 0; i < sizes.size(); ++i) {
-      const double s = as_in_a_step(sizes[i]);
-      if (s >= kMinTimedSeconds) kept[i].push_back(s);
-    }
-    return kept;
-  }
-  // The median of an odd number of runs as in a step of each size, each having run before
-  // (the first run at a new size pays for first use: oneDNN builds kernels per shape), their
-  // runs alternating: a typical run's time, as a step's median is, and a burst of slowness
-  // (seconds long on a small shared machine) falls on every size alike, not on one. Every
-  // timed point takes this one statistic: a fastest-of-two point beside medians looks faster
-  // than its neighbours on a machine whose noise only slows runs, and draws plans to its size.
-  // A size runs three times, and more (up to kMaxTimedRuns) until its runs add up to
-  // kMinTimedSeconds: a short run meets the machine's hiccups as often as a long one but weighs
-  // them more, and one fast timing of a tiny micro-batch would draw plans to it.
-  static constexpr size_t kMinTimedRuns = 3;
-  static constexpr size_t kMaxTimedRuns = 9;
-  static constexpr double kMinTimedSeconds = 0.25;
-  // `runs`: runs already timed, by size (first_uses).
-  std::vector<double> medians_alternating(const std::vector<RunSize>& sizes, std::vector<std::vector<double>> runs = {}) {
-    runs.resize(sizes.size());
-    std::vector<double> total(sizes.size(), 0.0);
-    for (size_t i = 0; i < sizes.size(); ++i) {
-      for (double s : runs[i]) total[i] += s;
-    }
-    const auto done = [&](size_t i) {
-      const size_t n = runs[i].size();
-      return n >= kMaxTimedRuns || (n >= kMinTimedRuns && n % 2 == 1 && total[i] >= kMinTimedSeconds);
-    };
-    for (bool more = true; more;) {
-      more = false;
-      for (size_t i = 0; i < sizes.size(); ++i) {
-        if (done(i)) continue;
-        runs[i].push_back(as_in_a_step(sizes[i]));
-        total[i] += runs[i].back();
-        more = true;
-      }
+    TimingRounds rounds(sizes.size());
+    for (size_t i = 0; first_use && i < sizes.size(); ++i) rounds.first_use(i, as_in_a_step(sizes[i]));
+    for (auto round = rounds.next_round(); !round.empty(); round = rounds.next_round()) {
+      for (size_t i : round) rounds.add(i, as_in_a_step(sizes[i]));
     }
     release_gradients();
-    std::vector<double> medians;
-    for (auto& r : runs) {
-      std::sort(r.begin(), r.end());
-      medians.push_back(r[r.size() / 2]);
-    }
-    return medians;
+    return rounds.medians();
   }
 };
-
-// The two profiled sizes: a quarter and a half of the batch, small enough to be quick, large
-// enough that timings are not noise and per-sample parts dominate. From a batch of 4 the line
-// through them starts at 2: one sample is no point on it (a model may keep a copy more per
-// block there, which tilts a line through 1 and 2: a GPT's plain step at 4 came out 2% low).
-// So batches of 4 and 5 are profiled at 2 and 3 samples, more than half of them. Sizes below
-// the first come from the blocks measured at one sample (profile_one_sample).
-std::pair<int64_t, int64_t> profiled_sizes(int64_t batch) {
-  const int64_t a = std::max<int64_t>(batch >= 4 ? 2 : 1, batch / 4);
-  const int64_t b = std::min<int64_t>(batch, std::max<int64_t>(a + 1, batch / 2));
-  return {a, b};
-}
 
 // The time model's points at a and b (see profile.h), both having run before (b first): the
 // median of three or more runs as in a step each, alternating.
@@ -153,8 +100,7 @@ void time_chain(Workload& w, const Batch& batch, PrecisionProfile& pp, MemoryTra
   const int64_t B = batch.size(), a = pp.small.micro_batch, b = pp.large.micro_batch;
   std::vector<RunSize> sizes{{pp.precision, a}, {pp.precision, b}};
   if (a == b) sizes.pop_back();
-  run.ensure_gradients();  // a and b ran before (profile_chain): no first use left to pay
-  const auto t = run.medians_alternating(sizes);
+  const auto t = run.medians(sizes, /*first_use=*/false);  // a and b ran before (profile_chain)
   pp.chain_seconds.clear();
   for (size_t i = 0; i < sizes.size(); ++i) pp.chain_seconds.push_back({sizes[i].micro_batch, t[i]});
   if (B > b && batch.input.device().type() != c10::kCPU) {
@@ -322,9 +268,7 @@ std::vector<double> time_plain_chain(Workload& w, const Batch& batch, Precision 
   std::vector<RunSize> all;
   for (int64_t m : sizes) all.push_back({precision, m});
   all.push_back({reference.precision, reference.point.micro_batch});
-  const auto first_uses_then_medians = [&] {
-    return run.medians_alternating(all, run.first_uses(all));  // the profile may come from a cache
-  };
+  const auto first_uses_then_medians = [&] { return run.medians(all, /*first_use=*/true); };
   std::vector<double> seconds;
   try {
     seconds = first_uses_then_medians();
@@ -334,12 +278,7 @@ std::vector<double> time_plain_chain(Workload& w, const Batch& batch, Precision 
     seconds = first_uses_then_medians();
   }
   restore_rng(rng);
-  // On the reference's scale: the machine's speed now against when the reference was timed
-  // drops out, and only the ratio measured side by side remains.
-  const double scale = reference.point.seconds / seconds.back();
-  seconds.pop_back();
-  for (double& s : seconds) s *= scale;
-  return seconds;
+  return on_reference_scale(std::move(seconds), reference.point.seconds);
 }
 
 namespace {
@@ -449,25 +388,36 @@ OptimizerCost measure_optimizer(const OptimizerSpec& spec, const std::vector<at:
     dynamic_map(false, params.front().device());
   }
   {
-    const MemoryDevice device = memory_device_of(params.front().device());
-    const int64_t before = tracker.current(device);
-    auto optimizer = make_optimizer(spec.with_state(cost.state), params);
-    optimizer->step();  // makes the state
-    cost.state_bytes = tracker.current(device) - before;
-    if (cost.state == StatePrecision::k8Bit) cost.state_bytes += dynamic_maps_bytes();
-    const int64_t steady = tracker.current(device);
-    tracker.reset_peak();
-    cost.seconds = std::numeric_limits<double>::infinity();
-    for (int i = 0; i < 2; ++i) {  // steady state: the best of two
-      const Clock::time_point t0 = Clock::now();
+    std::unique_ptr<torch::optim::Optimizer> optimizer;
+    const auto step = [&] {
+      if (!optimizer) optimizer = make_optimizer(spec.with_state(cost.state), params);
       optimizer->step();
-      cost.seconds = std::min(cost.seconds, seconds_since(t0));
-    }
-    cost.step_bytes = std::max<int64_t>(0, tracker.peak(device) - steady);
+    };
+    cost = measure_optimizer_steps(step, cost.state, tracker, memory_device_of(params.front().device()));
   }
   at::NoGradGuard no_grad;
   for (size_t i = 0; i < params.size(); ++i) params[i].detach().copy_(saved[i]);
   zero_grad(params, true);
+  return cost;
+}
+
+OptimizerCost measure_optimizer_steps(const std::function<void()>& step, StatePrecision state, MemoryTracker& tracker,
+                                      MemoryDevice device) {
+  OptimizerCost cost;
+  cost.state = state;
+  const int64_t before = tracker.current(device);
+  step();  // makes the state
+  cost.state_bytes = tracker.current(device) - before;
+  if (state == StatePrecision::k8Bit) cost.state_bytes += dynamic_maps_bytes();
+  const int64_t steady = tracker.current(device);
+  tracker.reset_peak();
+  cost.seconds = std::numeric_limits<double>::infinity();
+  for (int i = 0; i < 2; ++i) {  // steady state: the best of two
+    const Clock::time_point t0 = Clock::now();
+    step();
+    cost.seconds = std::min(cost.seconds, seconds_since(t0));
+  }
+  cost.step_bytes = std::max<int64_t>(0, tracker.peak(device) - steady);
   return cost;
 }
 

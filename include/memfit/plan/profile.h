@@ -45,6 +45,7 @@
 #include <nlohmann/json.hpp>
 
 #include <cstdint>
+#include <functional>
 #include <string>
 #include <vector>
 
@@ -166,6 +167,15 @@ struct OptimizerCost {
 // with state auto is measured as fp32.
 OptimizerCost measure_optimizer(const OptimizerSpec& spec, const std::vector<at::Tensor>& parameters,
                                 MemoryTracker& tracker);
+
+// The one rule by which an optimizer's costs are measured, whoever steps it (the C++ optimizers
+// above; the Python package's copy of the user's optimizer): `step` runs one step over
+// parameters with zero gradients; the first makes the state (state_bytes: what it left alive on
+// `device`), two more run in steady state (step_bytes: their temporaries above the state;
+// seconds: the faster). The 8-bit state's dynamic maps, made once per process and kept, are
+// counted with it (never as resident bytes).
+OptimizerCost measure_optimizer_steps(const std::function<void()>& step, StatePrecision state, MemoryTracker& tracker,
+                                      MemoryDevice device);
 
 // The costs the planner chooses among: the spec's state precision alone, or with auto fp32 and
 // then (Adam, AdamW) 8-bit.
