@@ -1,4 +1,4 @@
-#include "memfit/train/oom_recovery.h"
+#include "memfit/runtime/oom_recovery.h"
 
 #include <stdexcept>
 
@@ -70,6 +70,17 @@ OomDecision SplitRecovery::on_out_of_memory(const PendingMicroBatch& failed, boo
       " + " + std::to_string(halves[1].length));
   d.next = {{halves[0], false}, {halves[1], false}};
   return d;
+}
+
+SplitRecovery::NextSteps SplitRecovery::next_steps(int64_t micro_batch, int64_t smallest_completed,
+                                                  bool recomputes_all) const {
+  if (smallest_completed < micro_batch) {
+    say("re-plan: micro-batch " + std::to_string(micro_batch) + " -> " + std::to_string(smallest_completed) +
+        " after a real out-of-memory error");
+    return {smallest_completed, recomputes_all};
+  }
+  if (!recomputes_all) say("re-plan: recompute every block after a real out-of-memory error");
+  return {micro_batch, true};
 }
 
 }  // namespace memfit

@@ -248,17 +248,14 @@ void Trainer::Impl::update(bool last) {
   }
 }
 
-// A real out-of-memory error is likely to repeat: the following steps use what worked.
+// A real out-of-memory error is likely to repeat: the following steps run what worked.
 void Trainer::Impl::replan_after_oom(int64_t smallest_ok) {
   StepConfig& config = plan.plan.config;
-  if (smallest_ok < config.micro_batch_size()) {
-    observers.on_note("re-plan: micro-batch " + std::to_string(config.micro_batch_size()) + " -> " +
-                      std::to_string(smallest_ok) + " after a real out-of-memory error");
-    config.micro_batch = smallest_ok;
-  } else if (config.checkpoint.recomputed_blocks().size() < static_cast<size_t>(workload.chain->size())) {
-    observers.on_note("re-plan: recompute every block after a real out-of-memory error");
-    config.checkpoint = CheckpointPlan::all(workload.chain->size());
-  }
+  const int blocks = workload.chain->size();
+  const bool recomputes_all = config.checkpoint.recomputed_blocks().size() >= static_cast<size_t>(blocks);
+  const SplitRecovery::NextSteps next = recovery.split->next_steps(config.micro_batch_size(), smallest_ok, recomputes_all);
+  if (next.micro_batch != config.micro_batch_size()) config.micro_batch = next.micro_batch;
+  if (next.recompute_all) config.checkpoint = CheckpointPlan::all(blocks);
 }
 
 double Trainer::step(int64_t step) {

@@ -23,7 +23,7 @@
 #include "memfit/techniques/grad_scaler.h"
 #include "memfit/techniques/metrics.h"
 #include "memfit/techniques/rng.h"
-#include "memfit/train/oom_recovery.h"
+#include "memfit/runtime/oom_recovery.h"
 #include "memfit/train/saved_state.h"
 #include "memfit/train/strategy.h"
 #include "memfit/train/trainer.h"

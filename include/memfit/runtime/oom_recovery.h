@@ -7,6 +7,9 @@
 //   3. if gradients of earlier micro-batches were mixed into those released, the whole step
 //      is redone (first recomputing every block, then with half the micro-batch);
 //   4. a 1-sample micro-batch with every block recomputed gives up (std::runtime_error).
+// And after a step that met a real out-of-memory error (one not injected: likely to repeat), the
+// following steps run what worked (next_steps). The one policy: the C++ Trainer and the Python
+// package's step (memfit.apply) both follow it.
 #pragma once
 
 #include <cstdint>
@@ -27,6 +30,15 @@ class SplitRecovery : public OomRecovery {
   void begin_step(int64_t step, const CheckpointPlan& planned, const std::string& budget_text);
   OomDecision on_out_of_memory(const PendingMicroBatch& failed, bool partial_sums,
                                const c10::OutOfMemoryError& error) override;
+
+  // What the steps after this one run, where it met a real out-of-memory error: the smallest
+  // micro-batch that completed, or, where that is the micro-batch already, every block
+  // recomputed (`recomputes_all`: whether they are already). Says which.
+  struct NextSteps {
+    int64_t micro_batch;
+    bool recompute_all;
+  };
+  NextSteps next_steps(int64_t micro_batch, int64_t smallest_completed, bool recomputes_all) const;
 
   int64_t recoveries() const { return recoveries_; }
   bool real_oom_in_step() const { return real_oom_; }  // one not injected (likely to repeat)

@@ -36,7 +36,7 @@ struct OomDecision {
   std::vector<PendingMicroBatch> next;  // run before the rest of the step (or as the step, on restart)
 };
 
-// Decides how a step goes on after an out-of-memory error (train/oom_recovery.h has memfit's
+// Decides how a step goes on after an out-of-memory error (runtime/oom_recovery.h has memfit's
 // policy). The loop has already taken back the failed attempt's random draws and released the
 // gradients it touched.
 class OomRecovery {
