@@ -216,6 +216,21 @@ int64_t dynamic_maps_bytes() {
   return bytes;
 }
 
+std::unique_ptr<Adam8bitParamState> adam8bit_state_from_fp32(int64_t step, const at::Tensor& exp_avg,
+                                                             const at::Tensor& exp_avg_sq, int64_t min_8bit_numel) {
+  auto s = std::make_unique<Adam8bitParamState>();
+  s->step(step);
+  at::NoGradGuard no_grad;
+  if (exp_avg.numel() < min_8bit_numel) {
+    s->exp_avg(exp_avg.detach().to(at::kFloat).clone()).exp_avg_sq(exp_avg_sq.detach().to(at::kFloat).clone());
+    return s;
+  }
+  const BlockwiseCodes m = quantize_blockwise(exp_avg, dynamic_map(true, exp_avg.device()));
+  const BlockwiseCodes v = quantize_blockwise(exp_avg_sq, dynamic_map(false, exp_avg_sq.device()));
+  s->exp_avg_codes(m.codes).exp_avg_absmax(m.absmax).exp_avg_sq_codes(v.codes).exp_avg_sq_absmax(v.absmax);
+  return s;
+}
+
 double DynamicMap::max_error() const {
   const at::Tensor v = values.to(c10::kCPU, at::kDouble);
   const auto a = v.accessor<double, 1>();

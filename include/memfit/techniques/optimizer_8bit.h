@@ -123,6 +123,14 @@ struct Adam8bitParamState : public torch::optim::OptimizerCloneableParamState<Ad
   void serialize(torch::serialize::OutputArchive& archive) const override;
 };
 
+// One parameter's Adam/AdamW state carried into 8 bits (an optimizer already stepped, whose
+// plan now keeps 8-bit state): its step count kept, its fp32 moments quantized as a step stores
+// them (kept fp32 under min_8bit_numel values). Each moment is then within its block's absmax
+// times the map's max_error of the fp32 one.
+std::unique_ptr<Adam8bitParamState> adam8bit_state_from_fp32(int64_t step, const at::Tensor& exp_avg,
+                                                             const at::Tensor& exp_avg_sq,
+                                                             int64_t min_8bit_numel = kMin8bitNumel);
+
 class Adam8bit : public torch::optim::Optimizer {
  public:
   explicit Adam8bit(std::vector<torch::optim::OptimizerParamGroup> param_groups, Adam8bitOptions defaults = {});
