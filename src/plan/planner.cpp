@@ -7,7 +7,6 @@
 
 #include "memfit/errors.h"
 #include "memfit/measure/size.h"
-#include "runtime/json_fields.h"
 
 namespace memfit {
 namespace {
@@ -18,49 +17,6 @@ namespace {
 constexpr int64_t kStepRandomStates = 2;
 
 }  // namespace
-
-std::vector<Precision> precision_candidates(const std::string& text, c10::DeviceType device) {
-  if (text == "auto") {
-    std::vector<Precision> out{Precision::kFP32};
-    for (Precision p : {Precision::kBF16, Precision::kFP16}) {
-      if (precision_supported(p, device)) out.push_back(p);
-    }
-    return out;
-  }
-  const Precision p = parse_precision(text);  // throws, naming the value and the choices
-  std::string why;
-  check_option(precision_supported(p, device, &why), "precision", text, why);
-  return {p};
-}
-
-OffloadMode parse_offload_mode(const std::string& text) {
-  for (OffloadMode m : {OffloadMode::kNone, OffloadMode::kOptimizer, OffloadMode::kActivations, OffloadMode::kAll,
-                        OffloadMode::kAuto}) {
-    if (text == offload_mode_name(m)) return m;
-  }
-  throw OptionError("offload", text, "expected none, optimizer, activations, all or auto");
-}
-
-const char* offload_mode_name(OffloadMode mode) {
-  switch (mode) {
-    case OffloadMode::kNone: return "none";
-    case OffloadMode::kOptimizer: return "optimizer";
-    case OffloadMode::kActivations: return "activations";
-    case OffloadMode::kAll: return "all";
-    case OffloadMode::kAuto: return "auto";
-  }
-  return "none";
-}
-
-void allow_offload(PlanRequest& request, OffloadMode mode) {
-  switch (mode) {
-    case OffloadMode::kOptimizer:
-    case OffloadMode::kAll: request.optimizer_offload = {true}; break;
-    case OffloadMode::kAuto: request.optimizer_offload = {false, true}; break;
-    default: request.optimizer_offload = {false};
-  }
-  request.activation_offload = mode == OffloadMode::kActivations || mode == OffloadMode::kAll || mode == OffloadMode::kAuto;
-}
 
 Planner::Planner(WorkloadProfile profile, PlanRequest request) : profile_(std::move(profile)), request_(std::move(request)) {
   const int64_t B = request_.step.batch;
@@ -693,51 +649,5 @@ Plan Planner::plan(int64_t budget) const {
   }
   return p;
 }
-
-nlohmann::json plan_json(const Plan& p) {
-  const double plain = p.plain_predicted_seconds > 0 ? p.plain_predicted_seconds : 1;
-  nlohmann::json j = {{"budget_bytes", p.budget_bytes},
-          {"margin", p.margin},
-          {"feasible", p.feasible},
-          {"floor_bytes", p.floor_bytes},
-          {"config", p.feasible ? step_config_json(p.config) : nlohmann::json(nullptr)},
-          {"checkpoint_pinned", p.checkpoint_pinned},
-          {"predicted", {{"peak_bytes", p.predicted_peak}, {"host_peak_bytes", p.predicted_host_peak},
-                         {"seconds", p.predicted_seconds},
-                         {"step_time_ratio", p.predicted_seconds / plain}}},
-          {"plain", {{"precision", precision_name(p.baseline_precision)},
-                     {"predicted_peak_bytes", p.plain_predicted_peak},
-                     {"predicted_seconds", p.plain_predicted_seconds}}},
-          {"notes", p.notes}};
-  if (p.reserved.checked()) j["reserved"] = reserved_check_json(p.reserved);
-  return j;
-}
-
-Plan plan_from_json(const nlohmann::json& j, int blocks) {
-  namespace jf = json_fields;
-  Plan p;
-  p.budget_bytes = jf::integer(j, "budget_bytes");
-  p.margin = jf::number(j, "margin");
-  p.feasible = jf::boolean(j, "feasible");
-  p.floor_bytes = jf::integer(j, "floor_bytes");
-  if (p.feasible) p.config = step_config_from_json(jf::field(j, "config"), blocks);
-  p.checkpoint_pinned = jf::boolean(j, "checkpoint_pinned");
-  const auto& predicted = jf::field(j, "predicted");
-  p.predicted_peak = jf::integer(predicted, "peak_bytes");
-  // Absent in what earlier versions wrote: nothing was offloaded.
-  if (predicted.contains("host_peak_bytes")) p.predicted_host_peak = jf::integer(predicted, "host_peak_bytes");
-  p.predicted_seconds = jf::number(predicted, "seconds");
-  const auto& plain = jf::field(j, "plain");
-  p.baseline_precision = parse_precision(jf::text(plain, "precision"));
-  p.plain_predicted_peak = jf::integer(plain, "predicted_peak_bytes");
-  p.plain_predicted_seconds = jf::number(plain, "predicted_seconds");
-  if (j.contains("reserved")) p.reserved = reserved_check_from_json(j.at("reserved"));
-  for (const auto& note : jf::array(j, "notes")) {
-    if (!note.is_string()) throw std::invalid_argument("JSON: 'notes' must hold strings");
-    p.notes.push_back(note.get<std::string>());
-  }
-  return p;
-}
-
 
 }  // namespace memfit
