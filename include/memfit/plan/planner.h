@@ -12,7 +12,9 @@
 //
 // The Planner runs no model: everything it says follows from the numbers it was given. What
 // measures those numbers and times what the search guessed is plan/job.h; what runs a plan to
-// check it is verify.h.
+// check it is verify.h. The Planner is the search; what it searches over is private to
+// src/plan/: the cost model (step_costs.h), the time model (time_model.h) and the notes'
+// text (explain.h). The request is plan_request.h, the plan plan.h.
 #pragma once
 
 #include <cstdint>
@@ -27,6 +29,9 @@
 #include "memfit/plan/schedule.h"
 
 namespace memfit {
+
+class StepCosts;  // the cost model (src/plan/step_costs.h)
+class TimeModel;  // the time model (src/plan/time_model.h)
 
 class Planner {
  public:
@@ -79,58 +84,27 @@ class Planner {
   const PlanRequest& request() const { return request_; }
 
  private:
-  const PrecisionProfile& precision_profile(Precision precision) const;
-  const OptimizerCost& optimizer_cost(StatePrecision state, bool on_host = false) const;
-  // The optimizer's state precisions at one placement (the spec's first), or at every one.
-  std::vector<const OptimizerCost*> optimizer_candidates(bool on_host) const;
-  std::vector<const OptimizerCost*> optimizer_candidates() const;
-  // Host bytes at their peak: the optimizer's, offloaded (fp32 masters and state, with the
-  // gradients and the step's temporaries through the step), and what a micro-batch's passes
-  // hold there (`passes`: passes_on_host).
-  int64_t host_peak(const OptimizerCost& optimizer, int64_t passes) const;
-  // The host's peak during micro-batch passes of size m under `schedule`: its offloaded
-  // activations, and, the optimizer offloaded, the gradients there (all of them where they
-  // stay from an earlier micro-batch or step, else those streamed so far).
-  int64_t passes_on_host(const OptimizerCost& optimizer, int64_t m, const Schedule& schedule) const;
-  // Whether a pass at micro-batch m finds every gradient there already (a later micro-batch of
-  // the step, or gradients kept between steps), on the device or, offloaded, on the host.
-  bool gradients_stay(int64_t m) const;
-  // Seconds the host <-> device copies add to a step at micro-batch m.
-  double offload_seconds(int64_t m, const OptimizerCost& optimizer) const;
-  bool fits_host(const OptimizerCost& optimizer) const;
-  // The best plan with the optimizer at one placement (its state chosen), or not feasible.
-  Plan best_plan_placed(bool on_host, int64_t usable, int64_t budget) const;
-  void explain_placement(Plan& chosen, const std::vector<Plan>& best_placed) const;
-  ChainCosts costs_at(int64_t m, const PrecisionProfile& p, const OptimizerCost& optimizer, int prefetch_depth = 0) const;
-  double chain_seconds(int64_t m, const PrecisionProfile& p) const;
-  const PrecisionProfile& timed_precision() const;  // the first precision whose chain was timed
-  int64_t optimizer_peak(const OptimizerCost& optimizer) const;
-  int64_t weight_bytes() const;  // held through the step: all weights, or this rank's shards (ZeRO 3)
-  // The allocated bytes a plan for `budget` may peak at: outside memory, the allocator's
-  // reserved/allocated relation and the margin taken off.
-  int64_t usable_bytes(int64_t budget) const;
-  // The smallest peak with the checkpoint schedule pinned (offloading what it may).
-  int64_t pinned_smallest_peak(const ChainCosts& costs, const CheckpointPlan& pinned) const;
-  void add_gathered_blocks(ChainCosts& costs, int prefetch_depth) const;
+  // Views over the members (the cost model and the time model), made per use: a Planner is copied.
+  StepCosts cost_model() const;
+  TimeModel time_model() const;
   Plan prediction_base(int64_t budget) const;
   std::vector<int64_t> candidate_sizes() const;  // the pinned micro-batch, or B, B/2, B/4, ... 1
   Plan unfitted_plan(Precision precision, StatePrecision state) const;  // feasible false, config defaults
-  // The best plan at micro-batch m (not feasible when none fits `usable`).
+  // The best plan at micro-batch m (not feasible when none fits `usable`): at the first of the
+  // request's prefetch depths that fits, or at one.
   Plan best_plan_at(int64_t m, const PrecisionProfile& p, const OptimizerCost& optimizer, int64_t usable) const;
   Plan best_plan_at(int64_t m, const PrecisionProfile& p, const OptimizerCost& optimizer, int prefetch_depth,
                     int64_t usable) const;
+  // The best plan of one precision (over micro-batch sizes), of every precision with one
+  // optimizer cost, and with the optimizer at one placement (its state chosen), or not
+  // feasible; the last two say why in its notes (explain.h).
   Plan best_plan_of(const PrecisionProfile& p, const OptimizerCost& optimizer, int64_t usable) const;
   Plan best_plan_with(const OptimizerCost& optimizer, int64_t usable) const;
-  void explain_choice(Plan& chosen, const std::vector<Plan>& best_of) const;
-  void explain_state_choice(Plan& chosen, const std::vector<Plan>& best_with, int64_t budget) const;
-  // Seconds of one whole step: forward + backward of every micro-batch with `segments` recomputed at
-  // micro-batch m, then the optimizer's step (measured: 8-bit state costs more than fp32).
-  double step_seconds(int64_t m, const PrecisionProfile& p, const Schedule& schedule, const OptimizerCost& optimizer) const;
+  Plan best_plan_placed(bool on_host, int64_t usable, int64_t budget) const;
 
   WorkloadProfile profile_;
   PlanRequest request_;
   std::vector<OptimizerCost> placed_;  // each state precision at each placement the request allows
 };
-
 
 }  // namespace memfit
