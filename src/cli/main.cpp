@@ -92,7 +92,7 @@ CLI::App* add_train(CLI::App& app, WorkloadFlags& w, StepFlags& s, TrainFlags& f
   add_offload_flags(*cmd, f.offload, f.host_budget);
   cmd->add_option("--dist-timeout", o.distributed.timeout_seconds, "seconds to wait for other ranks (rendezvous, each collective)")
       ->capture_default_str();
-  cmd->add_option("--dump-weights", o.dump_weights, "write all parameters as raw float32 (tests)")->group("");
+  cmd->add_option("--dump-weights", f.dump_weights, "write all parameters as raw float32 (tests)")->group("");
   return cmd;
 }
 
