@@ -46,6 +46,8 @@
 // plan/: profiles, the checkpoint-schedule DP, the planner (pure search), the plan job
 // (measure, then search), verification, per-rank state.
 #include "memfit/plan/job.h"
+#include "memfit/plan/plan.h"
+#include "memfit/plan/plan_request.h"
 #include "memfit/plan/plan_steps.h"
 #include "memfit/plan/planner.h"
 #include "memfit/plan/profile.h"

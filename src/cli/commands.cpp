@@ -221,7 +221,10 @@ int run_train_command(WorkloadFlags& wf, const StepFlags& sf, TrainFlags& f) {
   o.profile_cache = profile_cache_options(sf);
   TrainOutput output({f.progress, f.progress_every, f.progress && isatty(fileno(stdout)) != 0});
   StopOnSignals stop_on_ctrl_c;  // the first Ctrl-C finishes the step, saves and summarizes
-  const TrainSummary summary = train(w, o, output);
+  Trainer trainer(w, o);
+  trainer.add_observer(output);
+  trainer.dump_weights_at_summary(f.dump_weights);
+  const TrainSummary summary = trainer.run();
   return summary.interrupted ? 130 : 0;
 }
 

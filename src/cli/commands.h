@@ -34,6 +34,7 @@ struct TrainFlags {
   std::string host_budget;
   bool progress = true;
   int64_t progress_every = 0;  // not on a terminal: a line every K steps (0: about 20 lines a run)
+  std::string dump_weights;    // the trained weights as raw float32, for tests (Trainer::dump_weights_at_summary)
 };
 
 int run_report_command(WorkloadFlags& workload, const StepFlags& step, const ReportFlags& flags);

@@ -92,7 +92,7 @@ CLI::App* add_train(CLI::App& app, WorkloadFlags& w, StepFlags& s, TrainFlags& f
   add_offload_flags(*cmd, f.offload, f.host_budget);
   cmd->add_option("--dist-timeout", o.distributed.timeout_seconds, "seconds to wait for other ranks (rendezvous, each collective)")
       ->capture_default_str();
-  cmd->add_option("--dump-weights", o.dump_weights, "write all parameters as raw float32 (tests)")->group("");
+  cmd->add_option("--dump-weights", f.dump_weights, "write all parameters as raw float32 (tests)")->group("");
   return cmd;
 }
 
@@ -190,9 +190,8 @@ bool set_unless_chosen(const char* name, const char* value) {
   return std::getenv(name) == nullptr && setenv(name, value, 1) == 0;
 }
 
-}  // namespace
-
-int main(int argc, char** argv) {
+// The process as memfit runs in it: its environment, the C library's memory and memfit's allocator.
+void prepare_process(char** argv) {
   // OpenMP threads that spin while they wait take the cores the work needs on small machines,
   // and make every time the planner measures noisy (a plan's predicted step time off by a
   // factor of four on 2 cores; with passive waiting, within a few percent). oneMKL (LibTorch
@@ -213,7 +212,12 @@ int main(int argc, char** argv) {
   // First thing: every tensor from here on goes through memfit's allocator (no budget yet),
   // which reports each allocation to the memory tracker.
   BudgetAllocator::install();
+}
 
+}  // namespace
+
+int main(int argc, char** argv) {
+  prepare_process(argv);
   CLI::App app{"memfit: make deep-learning training fit in the memory you have"};
   app.require_subcommand(1);
   // What memfit was built against: the test logs of each build print it (scripts/test-torch2.sh).

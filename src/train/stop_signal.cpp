@@ -19,7 +19,6 @@ void on_signal(int) {
 
 void request_stop() { g_stop.store(true); }
 bool stop_requested() { return g_stop.load(); }
-void clear_stop_request() { g_stop.store(false); }
 
 StopOnSignals::StopOnSignals() {
   struct sigaction action {};

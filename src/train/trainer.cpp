@@ -132,6 +132,7 @@ Trainer::~Trainer() = default;
 void Trainer::add_observer(TrainObserver& observer) { impl_->observers.add(observer); }
 int64_t Trainer::start_step() const { return impl_->record.start_step; }
 torch::optim::Optimizer& Trainer::optimizer() { return *impl_->optimizer.optimizer; }
+void Trainer::dump_weights_at_summary(std::string path) { impl_->dump_weights = std::move(path); }
 
 void Trainer::set_up() {
   Impl& t = *impl_;
@@ -157,7 +158,6 @@ void Trainer::set_up() {
   if (!t.strategy->primary()) {  // ranks hold equal weights: rank 0 alone writes
     t.options.json_log.clear();
     t.options.report_html.clear();
-    t.options.dump_weights.clear();
   }
   if (!t.options.json_log.empty()) {
     t.json_log = std::make_unique<JsonLog>(t.options.json_log);
@@ -396,7 +396,7 @@ TrainSummary Trainer::summarize() {
   TORCH_CHECK(t.planned(), "memfit::Trainer: call set_up() and plan() before summarize()");
   TrainSummary& s = t.record.summary;
   s.seconds = std::chrono::duration<double>(TrainClock::now() - t.record.run_start).count();
-  s.weights_sha256 = t.strategy->weights_sha256(t.options.dump_weights);
+  s.weights_sha256 = t.strategy->weights_sha256(t.strategy->primary() ? t.dump_weights : "");
   s.world_size = t.strategy->world_size();
   s.zero_stage = t.options.distributed.zero_stage;
   s.budget_bytes = t.plan.budget;

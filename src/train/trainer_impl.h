@@ -157,6 +157,7 @@ struct Trainer::Impl {
   RunRecord record;
   int64_t parameter_count = 0;       // of the whole model (counted before a strategy shards it)
   int64_t parameter_bytes = 0;
+  std::string dump_weights;          // Trainer::dump_weights_at_summary ("": none)
 
   bool set_up_done() const { return memory != nullptr; }
   bool planned() const { return recovery.split != nullptr; }

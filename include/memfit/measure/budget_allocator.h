@@ -49,7 +49,6 @@ class BudgetAllocator final : public c10::Allocator {
   // The host pool (offloaded bytes): live and peak.
   int64_t host_allocated() const { return host_allocated_.load(); }
   int64_t host_peak() const { return host_peak_.load(); }
-  void reset_host_peak() { host_peak_.store(host_allocated_.load()); }
 
   // Fault injection for tests and demos: the n-th allocation from now (1 = the next one)
   // fails as if over budget. 0 disarms.

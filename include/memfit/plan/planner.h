@@ -12,108 +12,26 @@
 //
 // The Planner runs no model: everything it says follows from the numbers it was given. What
 // measures those numbers and times what the search guessed is plan/job.h; what runs a plan to
-// check it is verify.h.
+// check it is verify.h. The Planner is the search; what it searches over is private to
+// src/plan/: the cost model (step_costs.h), the time model (time_model.h) and the notes'
+// text (explain.h). The request is plan_request.h, the plan plan.h.
 #pragma once
 
-#include <c10/core/DeviceType.h>
-
+#include <cstdint>
 #include <optional>
-#include <string>
+#include <utility>
 #include <vector>
 
+#include "memfit/plan/plan.h"
+#include "memfit/plan/plan_request.h"
 #include "memfit/plan/profile.h"
 #include "memfit/plan/profile_cache.h"
-#include "memfit/plan/rank_states.h"
-#include "memfit/plan/reserved_check.h"
 #include "memfit/plan/schedule.h"
-#include "memfit/runtime/step_config.h"
 
 namespace memfit {
 
-// Of the budget, kept free for what the model cannot see (allocator rounding, workspaces the
-// profile missed): every plan's margin unless a request says otherwise.
-constexpr double kPlanMargin = 0.03;
-
-struct PlanRequest {
-  int64_t budget_bytes = 0;
-  // The fixed parts of the step: device, batch (this rank's samples per step), set_to_none,
-  // optimizer; micro_batch > 0 pins it (0: searched). Precision and checkpoint are chosen.
-  StepConfig step;
-  std::optional<CheckpointPlan> checkpoint;  // pinned schedule; unset: solved
-  double margin = kPlanMargin;               // of the budget, kept free for what the model cannot see
-  OptimizerCost optimizer;                   // this process's (ZeRO: its shard's); state auto: fp32's
-  // Other state precisions the plan may choose instead (state auto: the 8-bit state's cost).
-  std::vector<OptimizerCost> optimizer_alternatives;
-  int64_t gradient_bytes = -1;               // held through the optimizer step; -1: all weights'
-  int64_t extra_bytes = 0;                   // alive beside the optimizer step (state gathered to save)
-  int64_t resident_bytes = 0;                // alive all along, counted by the budget but not profiled
-                                             // (the caller's data tensors, other models)
-  // On CUDA the budget is the device's: the caching allocator reserves more than it hands out, and
-  // memory outside it (context, cuBLAS) counts too. A plan's allocated peak must then fit
-  // (budget - outside_bytes) / reserved_per_allocated (the reserved/allocated relation a replay
-  // of a recorded step gave: cuda_reserved.h); 1 and 0 on the CPU, whose allocator caches nothing.
-  double reserved_per_allocated = 1.0;
-  int64_t outside_bytes = 0;
-  // ZeRO 3 (empty otherwise): per block, its weights in full and this rank's shard. Weights
-  // and gradients held are then the shards; a block's full weights are added around its
-  // forward, recompute and backward (one block at a time); every block is recomputed, so
-  // `checkpoint` must be every block (the trainer pins it).
-  std::vector<GatheredBlockBytes> gathered_blocks;
-  // ZeRO 3: the prefetch depths a plan may use (StepConfig::prefetch_depth), in order of
-  // preference; at each micro-batch the first that fits is taken. The time model does not see
-  // the gathers a depth hides, so deeper is preferred where it costs no compute.
-  std::vector<int> prefetch_depths{0};
-  // Where the optimizer may run, in order of preference: on the device (false), offloaded to
-  // the host (true: train/optimizer_offload.h). {false, true}: offload only where it pays.
-  std::vector<bool> optimizer_offload{false};
-  // Blocks' saved activations may go to the host (techniques/activation_offload.h): the schedule
-  // then chooses per block between keeping, recomputing and offloading, by time.
-  bool activation_offload = false;
-  // Host <-> device copies, bytes per second: the time offloading adds (0: not counted). Measured
-  // where copies are real (CUDA); on a CPU-only machine a memcpy's, a model of a real link.
-  double host_copy_bytes_per_second = 0;
-  int64_t host_budget_bytes = 0;  // the host bytes a plan may use (0: unlimited)
-};
-
-// What the planner may move to the host (`offload`): nothing; the optimizer; saved activations;
-// both (all); or each where it pays (auto: only when the device alone does not fit, or faster).
-enum class OffloadMode : uint8_t { kNone, kOptimizer, kActivations, kAll, kAuto };
-// "none", "optimizer", "activations", "all", "auto"; throws OptionError("offload", ...) otherwise.
-OffloadMode parse_offload_mode(const std::string& text);
-const char* offload_mode_name(OffloadMode mode);
-// Sets what `mode` allows into the request (optimizer_offload).
-void allow_offload(PlanRequest& request, OffloadMode mode);
-
-// "auto": fp32, then the mixed precisions autocast runs on `device` (bf16 on CPU; bf16 and
-// fp16 on CUDA). Otherwise the one named, if supported. Throws OptionError("precision", ...).
-std::vector<Precision> precision_candidates(const std::string& text, c10::DeviceType device);
-
-struct Plan {
-  bool feasible = false;
-  int64_t budget_bytes = 0;
-  double margin = kPlanMargin;      // of the budget, kept free (the request's)
-  int64_t floor_bytes = 0;          // the smallest budget any plan reaches (margin included)
-  StepConfig config;                // what runs (valid when feasible)
-  bool checkpoint_pinned = false;   // the schedule was given, not solved
-  int64_t predicted_peak = 0;       // on the device: what the budget counts
-  int64_t predicted_host_peak = 0;  // in the host space (offloaded bytes; 0 when nothing is)
-  double predicted_seconds = 0;     // one whole step: every micro-batch's forward + backward, then the optimizer
-  Precision baseline_precision = Precision::kFP32;  // the plain step's (the first profiled)
-  int64_t plain_predicted_peak = 0; // whole batch, nothing recomputed, baseline precision
-  double plain_predicted_seconds = 0;
-  // On CUDA: its steps replayed on the caching allocator under the budget's cap (reserved_fit.h);
-  // not checked (steps 0) elsewhere.
-  ReservedCheck reserved;
-  std::vector<std::string> notes;   // why this plan, said plainly
-};
-
-// The one JSON form of a plan: {"budget_bytes", "margin", "feasible", "floor_bytes", "config" (step_config_json),
-// "checkpoint_pinned", "predicted": {"peak_bytes", "host_peak_bytes", "seconds", "step_time_ratio"},
-// "plain": {...}, "reserved" (reserved_check_json, where checked), "notes"}.
-nlohmann::json plan_json(const Plan& plan);
-// Reads it back (saved state, the broadcast to ranks); the config is checked against `blocks`.
-Plan plan_from_json(const nlohmann::json& json, int blocks);
-
+class StepCosts;  // the cost model (src/plan/step_costs.h)
+class TimeModel;  // the time model (src/plan/time_model.h)
 
 class Planner {
  public:
@@ -166,58 +84,27 @@ class Planner {
   const PlanRequest& request() const { return request_; }
 
  private:
-  const PrecisionProfile& precision_profile(Precision precision) const;
-  const OptimizerCost& optimizer_cost(StatePrecision state, bool on_host = false) const;
-  // The optimizer's state precisions at one placement (the spec's first), or at every one.
-  std::vector<const OptimizerCost*> optimizer_candidates(bool on_host) const;
-  std::vector<const OptimizerCost*> optimizer_candidates() const;
-  // Host bytes at their peak: the optimizer's, offloaded (fp32 masters and state, with the
-  // gradients and the step's temporaries through the step), and what a micro-batch's passes
-  // hold there (`passes`: passes_on_host).
-  int64_t host_peak(const OptimizerCost& optimizer, int64_t passes) const;
-  // The host's peak during micro-batch passes of size m under `schedule`: its offloaded
-  // activations, and, the optimizer offloaded, the gradients there (all of them where they
-  // stay from an earlier micro-batch or step, else those streamed so far).
-  int64_t passes_on_host(const OptimizerCost& optimizer, int64_t m, const Schedule& schedule) const;
-  // Whether a pass at micro-batch m finds every gradient there already (a later micro-batch of
-  // the step, or gradients kept between steps), on the device or, offloaded, on the host.
-  bool gradients_stay(int64_t m) const;
-  // Seconds the host <-> device copies add to a step at micro-batch m.
-  double offload_seconds(int64_t m, const OptimizerCost& optimizer) const;
-  bool fits_host(const OptimizerCost& optimizer) const;
-  // The best plan with the optimizer at one placement (its state chosen), or not feasible.
-  Plan best_plan_placed(bool on_host, int64_t usable, int64_t budget) const;
-  void explain_placement(Plan& chosen, const std::vector<Plan>& best_placed) const;
-  ChainCosts costs_at(int64_t m, const PrecisionProfile& p, const OptimizerCost& optimizer, int prefetch_depth = 0) const;
-  double chain_seconds(int64_t m, const PrecisionProfile& p) const;
-  const PrecisionProfile& timed_precision() const;  // the first precision whose chain was timed
-  int64_t optimizer_peak(const OptimizerCost& optimizer) const;
-  int64_t weight_bytes() const;  // held through the step: all weights, or this rank's shards (ZeRO 3)
-  // The allocated bytes a plan for `budget` may peak at: outside memory, the allocator's
-  // reserved/allocated relation and the margin taken off.
-  int64_t usable_bytes(int64_t budget) const;
-  // The smallest peak with the checkpoint schedule pinned (offloading what it may).
-  int64_t pinned_smallest_peak(const ChainCosts& costs, const CheckpointPlan& pinned) const;
-  void add_gathered_blocks(ChainCosts& costs, int prefetch_depth) const;
+  // Views over the members (the cost model and the time model), made per use: a Planner is copied.
+  StepCosts cost_model() const;
+  TimeModel time_model() const;
   Plan prediction_base(int64_t budget) const;
   std::vector<int64_t> candidate_sizes() const;  // the pinned micro-batch, or B, B/2, B/4, ... 1
   Plan unfitted_plan(Precision precision, StatePrecision state) const;  // feasible false, config defaults
-  // The best plan at micro-batch m (not feasible when none fits `usable`).
+  // The best plan at micro-batch m (not feasible when none fits `usable`): at the first of the
+  // request's prefetch depths that fits, or at one.
   Plan best_plan_at(int64_t m, const PrecisionProfile& p, const OptimizerCost& optimizer, int64_t usable) const;
   Plan best_plan_at(int64_t m, const PrecisionProfile& p, const OptimizerCost& optimizer, int prefetch_depth,
                     int64_t usable) const;
+  // The best plan of one precision (over micro-batch sizes), of every precision with one
+  // optimizer cost, and with the optimizer at one placement (its state chosen), or not
+  // feasible; the last two say why in its notes (explain.h).
   Plan best_plan_of(const PrecisionProfile& p, const OptimizerCost& optimizer, int64_t usable) const;
   Plan best_plan_with(const OptimizerCost& optimizer, int64_t usable) const;
-  void explain_choice(Plan& chosen, const std::vector<Plan>& best_of) const;
-  void explain_state_choice(Plan& chosen, const std::vector<Plan>& best_with, int64_t budget) const;
-  // Seconds of one whole step: forward + backward of every micro-batch with `segments` recomputed at
-  // micro-batch m, then the optimizer's step (measured: 8-bit state costs more than fp32).
-  double step_seconds(int64_t m, const PrecisionProfile& p, const Schedule& schedule, const OptimizerCost& optimizer) const;
+  Plan best_plan_placed(bool on_host, int64_t usable, int64_t budget) const;
 
   WorkloadProfile profile_;
   PlanRequest request_;
   std::vector<OptimizerCost> placed_;  // each state precision at each placement the request allows
 };
-
 
 }  // namespace memfit

@@ -13,7 +13,6 @@ namespace memfit {
 
 void request_stop();
 bool stop_requested();
-void clear_stop_request();
 
 class StopOnSignals {
  public:

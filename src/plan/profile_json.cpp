@@ -1,0 +1,198 @@
+// The one JSON form of the measurements (profile.h), which the profile cache stores.
+#include "memfit/plan/profile.h"
+
+#include <algorithm>
+#include <cstdio>
+#include <cstdlib>
+#include <stdexcept>
+
+#include "runtime/json_fields.h"
+
+namespace memfit {
+namespace {
+
+namespace jf = json_fields;
+
+nlohmann::json block_cost_json(const BlockCost& b) {
+  return {{"forward_seconds", b.forward_seconds}, {"backward_seconds", b.backward_seconds},
+          {"output_bytes", b.output_bytes},       {"output_kept", b.output_kept},
+          {"kept_bytes", b.kept_bytes},           {"forward_peak", b.forward_peak},
+          {"forward_nograd_peak", b.forward_nograd_peak}, {"backward_peak", b.backward_peak},
+          {"backward_peak_accumulating", b.backward_peak_accumulating},
+          {"backward_held_input_bytes", b.backward_held_input_bytes},
+          {"backward_held_by_segment_bytes", b.backward_held_by_segment_bytes},
+          {"backward_held_all_bytes", b.backward_held_all_bytes},
+          {"param_bytes", b.param_bytes},         {"cast_bytes", b.cast_bytes},
+          {"input_copy_bytes", b.input_copy_bytes}, {"input_copy_kept", b.input_copy_kept},
+          {"keeps_own_output", b.keeps_own_output}, {"shared_gradient_bytes", b.shared_gradient_bytes}};
+}
+
+BlockCost block_cost_from_json(const nlohmann::json& j) {
+  BlockCost b;
+  b.forward_seconds = jf::number(j, "forward_seconds");
+  b.backward_seconds = jf::number(j, "backward_seconds");
+  b.output_bytes = jf::integer(j, "output_bytes");
+  b.output_kept = jf::boolean(j, "output_kept");
+  b.kept_bytes = jf::integer(j, "kept_bytes");
+  b.forward_peak = jf::integer(j, "forward_peak");
+  b.forward_nograd_peak = jf::integer(j, "forward_nograd_peak");
+  b.backward_peak = jf::integer(j, "backward_peak");
+  b.backward_peak_accumulating = jf::integer(j, "backward_peak_accumulating");
+  b.backward_held_input_bytes = jf::integer(j, "backward_held_input_bytes");
+  b.backward_held_by_segment_bytes = jf::integer(j, "backward_held_by_segment_bytes");
+  b.backward_held_all_bytes = jf::integer(j, "backward_held_all_bytes");
+  b.param_bytes = jf::integer(j, "param_bytes");
+  b.cast_bytes = jf::integer(j, "cast_bytes");
+  b.input_copy_bytes = jf::integer(j, "input_copy_bytes");
+  b.input_copy_kept = jf::boolean(j, "input_copy_kept");
+  b.keeps_own_output = jf::boolean(j, "keeps_own_output");
+  b.shared_gradient_bytes = jf::integer(j, "shared_gradient_bytes");
+  return b;
+}
+
+// The pattern as 16 hex digits (a JSON number past int64 would not read back as one).
+nlohmann::json peak_moments_json(const PeakMoments& p) {
+  char pattern[17];
+  std::snprintf(pattern, sizeof pattern, "%016llx", static_cast<unsigned long long>(p.pattern));
+  return {{"pattern", pattern}, {"bytes", p.bytes}};
+}
+
+PeakMoments peak_moments_from_json(const nlohmann::json& j) {
+  PeakMoments p;
+  const std::string pattern = jf::text(j, "pattern");
+  char* end = nullptr;
+  p.pattern = std::strtoull(pattern.c_str(), &end, 16);
+  if (pattern.size() != 16 || end != pattern.c_str() + 16) {
+    throw std::invalid_argument("JSON: 'pattern' must be 16 hex digits, got \"" + pattern + "\"");
+  }
+  for (const auto& v : jf::array(j, "bytes")) {  // (below the start where a run frees first)
+    if (!v.is_number_integer()) throw std::invalid_argument("JSON: 'bytes' must hold integers, got " + v.dump());
+    p.bytes.push_back(v.get<int64_t>());
+  }
+  return p;
+}
+
+// A block's moments, field by field (the names of BlockCost's peaks they fit).
+const std::pair<const char*, PeakMoments BlockMoments::*> kMomentFields[] = {
+    {"forward_peak", &BlockMoments::forward},
+    {"forward_nograd_peak", &BlockMoments::forward_nograd},
+    {"backward_peak", &BlockMoments::backward},
+    {"backward_peak_accumulating", &BlockMoments::backward_accumulating},
+    {"backward_input_held", &BlockMoments::backward_input_held},
+    {"backward_segment_end", &BlockMoments::backward_segment_end},
+    {"backward_all", &BlockMoments::backward_all}};
+
+nlohmann::json block_moments_json(const BlockMoments& m) {
+  nlohmann::json j = nlohmann::json::object();
+  for (const auto& [name, field] : kMomentFields) j[name] = peak_moments_json(m.*field);
+  return j;
+}
+
+BlockMoments block_moments_from_json(const nlohmann::json& j) {
+  BlockMoments m;
+  for (const auto& [name, field] : kMomentFields) m.*field = peak_moments_from_json(jf::field(j, name));
+  return m;
+}
+
+nlohmann::json chain_profile_json(const ChainProfile& c) {
+  nlohmann::json blocks = nlohmann::json::array();
+  for (const auto& b : c.blocks) blocks.push_back(block_cost_json(b));
+  nlohmann::json j{{"micro_batch", c.micro_batch}, {"blocks", blocks}, {"forward_nograd_seconds", c.forward_nograd_seconds}};
+  if (!c.moments.empty()) {
+    nlohmann::json moments = nlohmann::json::array();
+    for (const auto& m : c.moments) moments.push_back(block_moments_json(m));
+    j["moments"] = moments;
+  }
+  return j;
+}
+
+ChainProfile chain_profile_from_json(const nlohmann::json& j, size_t blocks) {
+  ChainProfile c;
+  c.micro_batch = jf::integer(j, "micro_batch", 1);
+  for (const auto& b : jf::array(j, "blocks", static_cast<int>(blocks))) c.blocks.push_back(block_cost_from_json(b));
+  c.forward_nograd_seconds = jf::number(j, "forward_nograd_seconds");
+  if (j.contains("moments")) {  // absent: not recorded
+    for (const auto& m : jf::array(j, "moments", static_cast<int>(blocks))) c.moments.push_back(block_moments_from_json(m));
+  }
+  return c;
+}
+
+nlohmann::json precision_profile_json(const PrecisionProfile& p) {
+  nlohmann::json times = nlohmann::json::array();
+  for (const auto& t : p.chain_seconds) times.push_back({t.micro_batch, t.seconds});
+  nlohmann::json j{{"precision", precision_name(p.precision)},
+                   {"small", chain_profile_json(p.small)},
+                   {"large", chain_profile_json(p.large)},
+                   {"calibration", p.calibration},
+                   {"chain_seconds", times}};  // [[micro-batch, seconds], ...]
+  if (p.one_sample.micro_batch > 0) j["one_sample"] = chain_profile_json(p.one_sample);
+  return j;
+}
+
+PrecisionProfile precision_profile_from_json(const nlohmann::json& j, size_t blocks) {
+  PrecisionProfile p;
+  p.precision = parse_precision(jf::text(j, "precision"));
+  p.small = chain_profile_from_json(jf::field(j, "small"), blocks);
+  p.large = chain_profile_from_json(jf::field(j, "large"), blocks);
+  if (j.contains("one_sample")) p.one_sample = chain_profile_from_json(j["one_sample"], blocks);  // absent: not measured
+  p.calibration = jf::number(j, "calibration");
+  int64_t previous = 0;
+  for (const auto& t : jf::array(j, "chain_seconds")) {
+    if (!t.is_array() || t.size() != 2) throw std::invalid_argument("JSON: 'chain_seconds' holds [micro-batch, seconds] pairs");
+    const nlohmann::json pair{{"micro_batch", t[0]}, {"seconds", t[1]}};
+    p.chain_seconds.push_back({jf::integer(pair, "micro_batch", previous + 1), jf::number(pair, "seconds")});
+    previous = p.chain_seconds.back().micro_batch;
+  }
+  return p;
+}
+
+}  // namespace
+
+nlohmann::json profile_json(const WorkloadProfile& p) {
+  nlohmann::json precisions = nlohmann::json::array();
+  for (const auto& pp : p.precisions) precisions.push_back(precision_profile_json(pp));
+  return {{"batch", p.batch},
+          {"weight_bytes", p.weight_bytes},
+          {"batch_bytes", p.batch_bytes},
+          {"segment_overhead_bytes", p.segment_overhead_bytes},
+          {"blocks", p.precisions.empty() ? 0 : p.precisions.front().small.blocks.size()},
+          {"precisions", precisions},
+          {"notes", p.notes}};
+}
+
+WorkloadProfile profile_from_json(const nlohmann::json& j) {
+  WorkloadProfile p;
+  p.batch = jf::integer(j, "batch", 1);
+  p.weight_bytes = jf::integer(j, "weight_bytes");
+  p.batch_bytes = jf::integer(j, "batch_bytes");
+  p.segment_overhead_bytes = jf::integer(j, "segment_overhead_bytes");
+  const auto blocks = static_cast<size_t>(jf::integer(j, "blocks", 1));
+  const auto& precisions = jf::array(j, "precisions");
+  if (precisions.empty()) throw std::invalid_argument("JSON: 'precisions' must not be empty");
+  for (const auto& pp : precisions) p.precisions.push_back(precision_profile_from_json(pp, blocks));
+  if (std::all_of(p.precisions.begin(), p.precisions.end(), [](const PrecisionProfile& pp) { return pp.chain_seconds.empty(); })) {
+    throw std::invalid_argument("JSON: 'chain_seconds' must not be empty at every precision");
+  }
+  for (const auto& note : jf::array(j, "notes")) {
+    if (!note.is_string()) throw std::invalid_argument("JSON: 'notes' must hold strings");
+    p.notes.push_back(note.get<std::string>());
+  }
+  return p;
+}
+
+nlohmann::json optimizer_cost_json(const OptimizerCost& c) {
+  return {{"state_bytes", c.state_bytes}, {"step_bytes", c.step_bytes}, {"seconds", c.seconds},
+          {"state", state_precision_name(c.state)}};
+}
+
+OptimizerCost optimizer_cost_from_json(const nlohmann::json& j) {
+  OptimizerCost c;
+  c.state_bytes = jf::integer(j, "state_bytes");
+  c.step_bytes = jf::integer(j, "step_bytes");
+  c.seconds = jf::number(j, "seconds");
+  c.state = parse_state_precision(jf::text(j, "state"));
+  if (c.state == StatePrecision::kAuto) throw std::invalid_argument("JSON: an optimizer cost's 'state' is fp32 or 8bit");
+  return c;
+}
+
+}  // namespace memfit
