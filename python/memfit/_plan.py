@@ -236,7 +236,4 @@ def plan(model, optimizer, loss_fn, batch, budget, blocks=None, precisions=("fp3
         obs.close()
     if not result["feasible"]:
         raise BudgetError(budget_bytes, result["floor_bytes"])
-    chosen_plan = Plan(result, found, loss_fn, model, samples, device)
-    chosen_plan._planner = planner
-    chosen_plan._profiler_args = (optimizer, resident)
-    return chosen_plan
+    return Plan(result, found, loss_fn, model, samples, device)

@@ -14,14 +14,8 @@ _C = load()
 
 # A mixed precision running this many times slower than fp32 is not profiled (as in profile.h).
 SLOW_PRECISION_RATIO = 3.0
-_MIN_TIMED_RUNS, _MAX_TIMED_RUNS, _MIN_TIMED_SECONDS = 3, 9, 0.25
-
-
-def profiled_sizes(batch):
-    """A quarter and a half of the batch (from a batch of 4 at least 2 and 3), as the C++
-    profile takes them (profile.cpp says why)."""
-    a = max(2 if batch >= 4 else 1, batch // 4)
-    return a, min(batch, max(a + 1, batch // 2))
+# The sizes every part is profiled at, as the C++ profile takes them (plan/timing_rounds.h).
+profiled_sizes = _C.profiled_sizes
 
 
 class ChainTimer:
@@ -56,37 +50,22 @@ class ChainTimer:
         for p in self.parameters:
             p.grad = None
 
-    def medians(self, sizes, runs=None):
-        """The median of an odd number (3 to 9) of runs of each (precision, m), alternating."""
-        runs = runs or [[] for _ in sizes]
-        total = [sum(r) for r in runs]
-
-        def done(i):
-            n = len(runs[i])
-            return n >= _MAX_TIMED_RUNS or (n >= _MIN_TIMED_RUNS and n % 2 == 1 and total[i] >= _MIN_TIMED_SECONDS)
-
-        while not all(done(i) for i in range(len(sizes))):
-            for i, (precision, m) in enumerate(sizes):
-                if not done(i):
-                    runs[i].append(self.run(precision, m))
-                    total[i] += runs[i][-1]
+    def medians(self, sizes, first_use):
+        """Each (precision, m)'s median seconds by the C++ profile's rule (plan/timing_rounds.h):
+        first uses where the sizes may be new, then alternating rounds."""
+        rounds = _C.TimingRounds(len(sizes))
+        for i, (precision, m) in enumerate(sizes if first_use else []):
+            rounds.first_use(i, self.run(precision, m))
+        for round_ in iter(rounds.next_round, []):
+            for i in round_:
+                rounds.add(i, self.run(*sizes[i]))
         self.release_gradients()
-        return [sorted(r)[len(r) // 2] for r in runs]
-
-    def first_uses(self, sizes):
-        """One run of each size (paying for first use); a run of a quarter second or more is kept."""
-        kept = []
-        for precision, m in sizes:
-            s = self.run(precision, m)
-            kept.append([s] if s >= _MIN_TIMED_SECONDS else [])
-        return kept
+        return rounds.medians()
 
     def __call__(self, precision, sizes, ref_precision, ref_m, ref_seconds):
         """The planner's ChainTimer (job.h): sizes timed beside a reference point, on its scale."""
         all_sizes = [(precision, m) for m in sizes] + [(ref_precision, ref_m)]
-        seconds = self.medians(all_sizes, self.first_uses(all_sizes))
-        scale = ref_seconds / seconds[-1] if seconds[-1] > 0 else 1.0
-        return [s * scale for s in seconds[:-1]]
+        return _C.on_reference_scale(self.medians(all_sizes, first_use=True), ref_seconds)
 
 
 def _moments(tracker, events, offset, peak):
@@ -246,7 +225,7 @@ class Profiler:
         fastest = min(profiles, key=lambda pp: sum(c.forward_seconds + c.backward_seconds for c in pp.large.blocks))
         a, b = fastest.small.micro_batch, fastest.large.micro_batch
         sizes = [(fastest.precision, a)] + ([(fastest.precision, b)] if b != a else [])
-        seconds = self.timer.medians(sizes)
+        seconds = self.timer.medians(sizes, first_use=False)  # a and b ran before (profiled)
         fastest.chain_seconds = [(m, s) for (_, m), s in zip(sizes, seconds)]
         self._progress("timed")
         profile.precisions = profiles
@@ -299,7 +278,7 @@ def _copy_optimizer(optimizer, groups):
 def measure_optimizer(optimizer, tracker, with_8bit):
     """The optimizer's costs on copies of its parameters (zero gradients): state bytes (alive
     between steps), the step's temporaries above them, and a steady step's seconds; with_8bit:
-    memfit's 8-bit state's too (its maps, made beforehand by the caller, are not counted in it)."""
+    memfit's 8-bit state's too (its maps, made by plan() beforehand, are resident bytes)."""
     groups, clones = [], []
     with torch.no_grad():
         for g in optimizer.param_groups:
@@ -308,23 +287,11 @@ def measure_optimizer(optimizer, tracker, with_8bit):
                 p.grad = torch.zeros_like(p)
             clones += params
             groups.append({**{k: v for k, v in g.items() if k != "params"}, "params": params})
-    before = tracker.current()
     copy = _copy_optimizer(optimizer, groups)
-    copy.step()
-    state_bytes = tracker.current() - before
-    steady = tracker.current()
-    tracker.reset_peak()
-    seconds = float("inf")
-    for _ in range(2):
-        t0 = time.perf_counter()
-        copy.step()
-        seconds = min(seconds, time.perf_counter() - t0)
-    step_bytes = max(0, tracker.peak() - steady)
-    costs = [_C.OptimizerCost(state_bytes, step_bytes, seconds, "fp32")]
+    costs = [_C.measure_optimizer_steps(copy.step, "fp32", tracker)]  # the C++ rule, this optimizer's steps
     if with_8bit:
         g = optimizer.param_groups[0]
         del copy
-        cost = _C.measure_8bit_cost(tracker, clones, g["lr"], g["betas"][0], g["betas"][1], g["weight_decay"],
-                                    type(optimizer) is torch.optim.AdamW)
-        costs.append(_C.OptimizerCost(cost.state_bytes - _C.dynamic_maps_bytes(), cost.step_bytes, cost.seconds, "8bit"))
+        costs.append(_C.measure_8bit_cost(tracker, clones, g["lr"], g["betas"][0], g["betas"][1], g["weight_decay"],
+                                          type(optimizer) is torch.optim.AdamW))
     return costs

@@ -13,6 +13,7 @@
 #include "memfit/plan/planner.h"
 #include "memfit/plan/profile.h"
 #include "memfit/plan/schedule.h"
+#include "memfit/plan/timing_rounds.h"
 #include "tracker.h"
 
 namespace py = pybind11;
@@ -208,6 +209,25 @@ void bind_planner(py::module_& m) {
         return d;
       },
       py::arg("planner"), py::arg("budget"), py::arg("timer"));
+  // The optimizer's costs by the C++ rule (profile.h): `step` steps the caller's optimizer (the
+  // user's, a copy), with the GIL taken back while it runs.
+  m.def(
+      "measure_optimizer_steps",
+      [](const std::function<void()>& step, const std::string& state, Tracker& tracker) {
+        TrackerScope scope(tracker.tracker);
+        py::gil_scoped_release release;
+        return measure_optimizer_steps(step, parse_state_precision(state), *tracker.tracker, tracker.counted);
+      },
+      py::arg("step"), py::arg("state"), py::arg("tracker"));
+  // The timing rule (timing_rounds.h): the same runs, rounds and medians as the C++ profile.
+  py::class_<TimingRounds>(m, "TimingRounds")
+      .def(py::init<size_t>())
+      .def("first_use", &TimingRounds::first_use)
+      .def("next_round", &TimingRounds::next_round)
+      .def("add", &TimingRounds::add)
+      .def("medians", &TimingRounds::medians);
+  m.def("profiled_sizes", &profiled_sizes);
+  m.def("on_reference_scale", &on_reference_scale);
   m.def("block_costs_at", [](const PrecisionProfile& p, int64_t micro_batch) { return block_costs_at(p, micro_batch).blocks; });
   m.def("modelled_plain_peak", [](const PrecisionProfile& p, int64_t micro_batch) {
     return evaluate_schedule(block_costs_at(p, micro_batch), {}).peak_bytes;

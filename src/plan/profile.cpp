@@ -404,9 +404,8 @@ OptimizerCost measure_optimizer_steps(const std::function<void()>& step, StatePr
   OptimizerCost cost;
   cost.state = state;
   const int64_t before = tracker.current(device);
-  step();  // makes the state
+  step();  // makes the state (and the 8-bit maps, the first time in this process)
   cost.state_bytes = tracker.current(device) - before;
-  if (state == StatePrecision::k8Bit) cost.state_bytes += dynamic_maps_bytes();
   const int64_t steady = tracker.current(device);
   tracker.reset_peak();
   cost.seconds = std::numeric_limits<double>::infinity();

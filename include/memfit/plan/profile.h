@@ -172,8 +172,9 @@ OptimizerCost measure_optimizer(const OptimizerSpec& spec, const std::vector<at:
 // above; the Python package's copy of the user's optimizer): `step` runs one step over
 // parameters with zero gradients; the first makes the state (state_bytes: what it left alive on
 // `device`), two more run in steady state (step_bytes: their temporaries above the state;
-// seconds: the faster). The 8-bit state's dynamic maps, made once per process and kept, are
-// counted with it (never as resident bytes).
+// seconds: the faster). The 8-bit state's dynamic maps are made by the first 8-bit step in a
+// process and kept for its life: counted here when this first step made them, as resident bytes
+// (alive before the step, like the weights) once they exist.
 OptimizerCost measure_optimizer_steps(const std::function<void()>& step, StatePrecision state, MemoryTracker& tracker,
                                       MemoryDevice device);
 
