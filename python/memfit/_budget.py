@@ -8,6 +8,7 @@ _C = load()
 
 
 _outside = {}
+_open = []  # the budgets entered and not yet exited, innermost last
 
 
 def outside_bytes(device):
@@ -47,7 +48,8 @@ class budget:
             loss = model(x).sum(); loss.backward()
 
     Budgets nest; each restores the one before it on exit. ``b.peak_bytes`` is the highest
-    number of bytes the budget counted inside the block (CPU).
+    number of bytes the budget counted inside the block, inner budgets' blocks included (on CUDA
+    the reserved bytes plus the memory outside the allocator).
     """
 
     def __init__(self, size, device=None):
@@ -56,13 +58,24 @@ class budget:
         self.peak_bytes = 0
         self._previous = None
         self._fraction = None
+        self._peak_before = 0  # the peak the enclosing budget had counted when this one reset it
+
+    def _device_peak(self):
+        if self.device.type == "cuda":
+            return torch.cuda.max_memory_reserved(self.device) + outside_bytes(self.device)
+        return _C.allocator_peak_bytes()
 
     def __enter__(self):
+        cap = self.bytes - outside_bytes(self.device)
+        if cap <= 0:
+            raise ValueError(f"budget {self.bytes} bytes: expected more than the {outside_bytes(self.device)} bytes "
+                             f"{self.device} holds outside its caching allocator (its context)")
+        # Entering resets the device's peak: the enclosing budget keeps what it had counted.
+        enclosing = [b for b in _open if b.device == self.device]
+        if enclosing:
+            enclosing[-1]._peak_before = max(enclosing[-1]._peak_before, self._device_peak())
+        _open.append(self)
         if self.device.type == "cuda":
-            cap = self.bytes - outside_bytes(self.device)
-            if cap <= 0:
-                raise ValueError(f"budget {self.bytes} bytes: expected more than the {outside_bytes(self.device)} bytes "
-                                 f"{self.device} holds outside its caching allocator (its context)")
             self._fraction = _C.CudaMemoryFraction(cap, self.device.index)
             torch.cuda.reset_peak_memory_stats(self.device)
             return self
@@ -73,12 +86,12 @@ class budget:
         return self
 
     def __exit__(self, *exc):
+        _open.remove(self)
+        self.peak_bytes = max(self._peak_before, self._device_peak())
         if self._fraction is not None:
-            self.peak_bytes = torch.cuda.max_memory_reserved(self.device) + outside_bytes(self.device)
             self._fraction.close()
             self._fraction = None
             return False
-        self.peak_bytes = _C.allocator_peak_bytes()
         _C.set_budget_bytes(self._previous)
         return False
 

@@ -52,3 +52,17 @@ def test_budgets_nest_and_restore():
             torch.zeros(10)
         torch.zeros(10)
     torch.zeros(1 << 22)
+
+
+def test_an_outer_budget_peak_counts_what_came_before_and_inside_an_inner_one():
+    """An inner budget resets the allocator's peak; the outer's peak_bytes is still its block's."""
+    big, small = 4 << 20, 1 << 20
+    with memfit.budget("1GiB") as outer:
+        base = memfit.allocated_bytes()
+        x = torch.empty(big, dtype=torch.uint8)
+        del x
+        with memfit.budget("1GiB") as inner:
+            y = torch.empty(small, dtype=torch.uint8)
+            del y
+    assert inner.peak_bytes == base + small
+    assert outer.peak_bytes == base + big
