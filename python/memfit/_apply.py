@@ -11,6 +11,7 @@ from memfit._loader import load
 from memfit._measure import autocast, scalar_loss
 from memfit._optim8bit import Adam8bit
 from memfit._progress import Observer, note
+from memfit._sizes import format_bytes
 
 _C = load()
 
@@ -18,9 +19,12 @@ _applied = weakref.WeakKeyDictionary()  # model -> its Step
 
 
 def is_out_of_memory(error):
-    """Whether an exception is an out-of-memory error (a GPU's, or memfit's budget on the CPU)."""
+    """Whether an exception is an out-of-memory error: a GPU's, or memfit's budget on the CPU
+    (which raises torch.cuda.OutOfMemoryError too)."""
     oom = getattr(torch.cuda, "OutOfMemoryError", None)
-    return (oom is not None and isinstance(error, oom)) or (isinstance(error, RuntimeError) and "out of memory" in str(error))
+    if oom is not None:
+        return isinstance(error, oom)
+    return isinstance(error, RuntimeError) and "out of memory" in str(error)  # torch < 1.13
 
 
 def _grad_scaler(precision, device):
@@ -32,11 +36,12 @@ def _grad_scaler(precision, device):
     return torch.cuda.amp.GradScaler()
 
 
-class _Split(Exception):
-    """An out-of-memory error met in a micro-batch: whether it struck in backward (gradients touched)."""
+class _OutOfMemory(Exception):
+    """An out-of-memory error met in a micro-batch, its message kept (the failed graph is gone)."""
 
-    def __init__(self, in_backward):
-        self.in_backward = in_backward
+    def __init__(self, message):
+        super().__init__(message)
+        self.message = message
 
 
 class Step:
@@ -46,12 +51,19 @@ class Step:
     micro-batches of ``plan.micro_batch`` samples (each loss weighted by its share of the
     samples, so the gradients are the whole batch's mean), under autocast at the plan's
     precision, with the plan's blocks checkpointed; then the optimizer steps (through PyTorch's
-    GradScaler for fp16) and the gradients are released again. ``optimizer`` is the optimizer
-    that steps: the user's own, or, where the plan chose 8-bit state, a :class:`memfit.Adam8bit`
-    over the same parameters (save and load its ``state_dict``). With ``budget`` set (memfit.fit),
-    each call runs under memfit.budget, and an out-of-memory error splits the micro-batch in two
-    and redoes it (the whole step, from released gradients, when it struck in backward): no
-    sample is lost or counted twice, and later steps keep the smaller micro-batch.
+    GradScaler for fp16) and the gradients are released again.
+
+    ``optimizer`` is the optimizer that steps: the user's own, or, where the plan keeps 8-bit
+    state, a :class:`memfit.Adam8bit` over the same parameters that carries the user's
+    optimizer's moments over (that optimizer's own state is released; save and load this one's
+    ``state_dict``).
+
+    Each call runs under memfit.budget(``budget``): the plan's budget unless given. An
+    out-of-memory error there is recovered by memfit's C++ policy (runtime/oom_recovery.h), as
+    the C++ trainer recovers: the micro-batch is redone with every block recomputed, then split
+    in two, and the whole step is redone where gradients of earlier micro-batches were mixed in;
+    no sample is lost or counted twice. After a real one, later steps keep the smaller
+    micro-batch (or every block recomputed).
     """
 
     def __init__(self, model, optimizer, plan, budget=None, observer=None):
@@ -60,27 +72,36 @@ class Step:
         self.device = plan.device
         self.precision = plan.precision
         self.micro_batch = plan.micro_batch
-        self.budget = budget
+        self.budget = plan.budget_bytes if budget is None else budget
         self.observer = observer or Observer()
         self.oom_splits = 0
-        eight_bit = plan.optimizer_state == "8bit" and not isinstance(optimizer, Adam8bit)
-        self.optimizer = Adam8bit.from_optimizer(optimizer) if eight_bit else optimizer
+        self.optimizer = self._stepping_optimizer(optimizer, plan)
         self.scaler = _grad_scaler(self.precision, self.device)
-        self._intercept = None
-        if plan.segments:
-            self._intercept = _calls.Intercept(plan._blocks, Checkpointing(plan._blocks, plan.segments))
-            for module in (b.first for b in plan._blocks):
-                module.forward._memfit = True
+        self._parameters = [p for p in model.parameters() if p.requires_grad]
+        self._steps = 0
+        # Always installed: a micro-batch redone after an out-of-memory error recomputes every block.
+        self.checkpointing = Checkpointing(plan._blocks, plan.segments)
+        self._intercept = _calls.Intercept(plan._blocks, self.checkpointing)
+        for module in (b.first for b in plan._blocks):
+            module.forward._memfit = True
+
+    def _stepping_optimizer(self, optimizer, plan):
+        if plan.optimizer_state != "8bit" or isinstance(optimizer, Adam8bit):
+            return optimizer
+        had_state = any(optimizer.state.values())
+        carried = Adam8bit.from_optimizer(optimizer)
+        note(self.observer, f"the plan keeps Adam's state in 8 bits: memfit.Adam8bit (step.optimizer) steps from now on"
+                            + (f", its moments carried over from the {type(optimizer).__name__}, whose own state is "
+                               "released" if had_state else ""))
+        return carried
 
     def __call__(self, batch):
-        """Runs one optimizer step on `batch`; returns its loss (mean over the samples) as a float."""
-        if self.budget is None:
-            return self._step(batch)
+        """Runs one optimizer step on `batch` under the budget; returns its loss (mean over the samples) as a float."""
         with budget_context(self.budget, self.device):
-            return self._step_recovering(batch, self.budget)
+            return self._step(batch)
 
     def _step_recovering(self, batch, budget_bytes):
-        """A step whose out-of-memory errors split micro-batches (the caller holds the budget)."""
+        """A step whose out-of-memory errors are recovered (the caller holds the budget)."""
         saved, self.budget = self.budget, budget_bytes
         try:
             return self._step(batch)
@@ -105,54 +126,68 @@ class Step:
         return loss
 
     def _accumulate(self, batch):
+        """The micro-batch loop, its out-of-memory errors decided by memfit's C++ policy."""
         samples = _batch.sample_count(batch)
-        pending = self._chunks(0, samples)
-        total = 0.0
+        recovery = _C.SplitRecovery(samples, len(self.plan._blocks), lambda text: note(self.observer, text))
+        self._steps += 1
+        recovery.begin_step(self._steps, self.plan.segments, format_bytes(self.budget))
+        pending = list(recovery.micro_batches(min(self.micro_batch, samples)))
+        total, smallest = 0.0, samples
         while pending:
-            start, length = pending.pop(0)
+            current = pending.pop(0)
+            versions = self._gradient_versions()
             rng = _C.capture_rng(str(self.device))
-            split = None
             try:
-                total += self._micro_batch(_batch.narrow(batch, start, length), length / samples)
-            except _Split as s:
-                split = s
-            if split is None:
+                total += self._micro_batch(_batch.narrow(batch, current.start, current.length), current.weight,
+                                           current.recompute_all)
+                smallest = min(smallest, current.length)
                 continue
-            _C.restore_rng(rng)
-            half = (length + 1) // 2
-            self.micro_batch = min(self.micro_batch, half)
+            except _OutOfMemory as e:
+                message = e.message
+            _C.restore_rng(rng)  # the failed attempt's random draws are taken back
+            decision = recovery.on_out_of_memory(current, self._release_touched(versions), message)
             self.oom_splits += 1
-            if split.in_backward:  # partial sums were added: redo the whole step
-                self.optimizer.zero_grad(set_to_none=True)
-                total, pending = 0.0, self._chunks(0, samples)
-                note(self.observer, f"out of memory in backward: the step is redone in micro-batches of {half}")
-            else:
-                pending = [(start, half), (start + half, length - half)] + pending
-                note(self.observer, f"out of memory: micro-batch of {length} split in two ({half} + {length - half})")
+            if decision.restart_step:
+                pending, total = [], 0.0
+            pending = list(decision.next) + pending
+        if recovery.real_oom_in_step:
+            self.micro_batch, always = recovery.next_steps(self.micro_batch, smallest, self.checkpointing.recomputes_all())
+            self.checkpointing.recompute_all = always
         return total
 
-    def _chunks(self, start, samples):
-        m = self.micro_batch
-        return [(s, min(m, samples - s)) for s in range(start, samples, m)]
+    def _gradient_versions(self):
+        return [p.grad._version if p.grad is not None else -1 for p in self._parameters]
 
-    def _micro_batch(self, micro, share):
-        """Forward + backward of one micro-batch; raises _Split on out-of-memory where recoverable."""
-        in_backward = False
+    def _release_touched(self, versions):
+        """After an out-of-memory error: where it struck after gradients were accumulated, they are
+        released; returns whether they held sums of earlier micro-batches (only a restart is exact)."""
+        if self._gradient_versions() == versions:
+            return False
+        for p in self._parameters:
+            p.grad = None
+        return any(v >= 0 for v in versions)
+
+    def _micro_batch(self, micro, weight, recompute_all):
+        """Forward + backward of one micro-batch; raises _OutOfMemory on an out-of-memory error."""
+        every_step = self.checkpointing.recompute_all  # set after a real out-of-memory error
+        self.checkpointing.recompute_all = every_step or recompute_all
         try:
             with autocast(self.device, self.precision):
                 loss = scalar_loss(self.loss_fn(self.model, micro))
             value = float(loss.detach())
-            if share != 1.0:
-                loss = loss * share
+            if weight != 1.0:
+                loss = loss * weight
             if self.scaler is not None:
                 loss = self.scaler.scale(loss)
-            in_backward = True
             loss.backward()
-            return value * share
+            return value * weight
         except RuntimeError as e:
-            if self.budget is None or not is_out_of_memory(e) or _batch.sample_count(micro) < 2:
+            if not is_out_of_memory(e):
                 raise
-        raise _Split(in_backward)  # raised here, outside the handler: the failed graph is gone
+            message = str(e)
+        finally:
+            self.checkpointing.recompute_all = every_step
+        raise _OutOfMemory(message)  # raised here, outside the handler: the failed graph is gone
 
     def remove(self):
         """Takes the plan's wrappers off the model (memfit.remove(model) does this)."""
@@ -177,10 +212,10 @@ def _check_plan_fits_model(model, plan):
 def apply(model, optimizer, plan, budget=None, progress=None):
     """Applies a plan to the user's own model and optimizer; returns ``step`` (see :class:`Step`).
 
-    The planned blocks are wrapped (their ``forward``; memfit.remove(model) undoes it); the
+    The model's blocks are wrapped (their ``forward``; memfit.remove(model) undoes it); the
     user's loop, DataLoader, logging and checkpoints stay theirs: call ``step(batch)`` once per
-    optimizer step. ``budget`` (optional): each step runs under memfit.budget(budget), splitting
-    a micro-batch that runs out of memory.
+    optimizer step. Each step runs under memfit.budget(``budget``), by default the budget the
+    plan was made for, and recovers from an out-of-memory error there (see :class:`Step`).
     """
     if not isinstance(model, torch.nn.Module):
         raise ValueError(f"model {type(model).__name__}: expected a torch.nn.Module")

@@ -133,7 +133,9 @@ def _never_unpacked(packed):
 
 
 class Checkpointing:
-    """The intercept handler (_calls.Intercept) that runs the planned segments checkpointed."""
+    """The intercept handler (_calls.Intercept) that runs the planned segments checkpointed, or,
+    while ``recompute_all`` is set (a micro-batch redone after an out-of-memory error, or every
+    step after a real one), every block in a segment of its own."""
 
     def __init__(self, blocks, segments):
         self.blocks = blocks
@@ -141,10 +143,16 @@ class Checkpointing:
         for first, last in segments:
             for i in range(first, last + 1):
                 self.segment_of[i] = (first, last)
+        self.each_block = {i: (i, i) for i in range(len(blocks))}
+        self.recompute_all = False
         self.current = None
 
+    def recomputes_all(self):
+        """Whether the planned segments recompute every block already."""
+        return len(self.segment_of) == len(self.blocks)
+
     def __call__(self, index, args, kwargs, run):
-        segment = self.segment_of.get(index)
+        segment = (self.each_block if self.recompute_all else self.segment_of).get(index)
         where = _calls.main_input(args, kwargs) if segment else None
         if segment is None or where is None or not torch.is_grad_enabled():
             return run(args, kwargs)

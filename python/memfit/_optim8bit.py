@@ -31,10 +31,26 @@ class Adam8bit(torch.optim.Optimizer):
 
     @classmethod
     def from_optimizer(cls, optimizer):
-        """An Adam8bit over the same parameters and hyperparameters as a torch.optim.Adam/AdamW."""
+        """An Adam8bit over the same parameters and hyperparameters as a torch.optim.Adam/AdamW,
+        carrying its state over: each parameter's step count, and its two moments quantized as
+        the 8-bit step stores them (kept fp32 under 4096 values). One parameter at a time, its
+        fp32 moments leave ``optimizer`` as they are carried, so the two states never coexist in
+        full: ``optimizer`` keeps its parameters and hyperparameters, its state is empty after,
+        and the returned optimizer is the one that steps from now on."""
+        if any(g.get("amsgrad") for g in optimizer.param_groups):
+            raise ValueError(f"optimizer {type(optimizer).__name__} with amsgrad: its max_exp_avg_sq has no 8-bit form")
         groups = [{k: v for k, v in g.items() if k in ("params", "lr", "betas", "eps", "weight_decay")}
                   for g in optimizer.param_groups]
-        return cls(groups, decoupled_weight_decay=isinstance(optimizer, torch.optim.AdamW))
+        carried = cls(groups, decoupled_weight_decay=isinstance(optimizer, torch.optim.AdamW))
+        core = carried._ensure_core()
+        for group in optimizer.param_groups:
+            for p in group["params"]:
+                state = optimizer.state.pop(p, None)
+                if state and "exp_avg" in state:
+                    core.set_state_from_fp32(p, int(float(state["step"])), state["exp_avg"], state["exp_avg_sq"])
+                del state  # the fp32 moments go now, before the next parameter's are carried
+        carried._mirror_state()
+        return carried
 
     @staticmethod
     def _group_options(group):

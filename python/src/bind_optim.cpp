@@ -71,6 +71,10 @@ class Adam8bitHandle {
     }
     return std::move(d);
   }
+  // The parameter's state carried over from fp32 Adam/AdamW moments (adam8bit_state_from_fp32).
+  void set_state_from_fp32(const at::Tensor& param, int64_t step, const at::Tensor& exp_avg, const at::Tensor& exp_avg_sq) {
+    optimizer_->state()[param_state_key(param)] = adam8bit_state_from_fp32(step, exp_avg, exp_avg_sq);
+  }
   // Puts a state read by state() back (a loaded state_dict).
   void set_state(const at::Tensor& param, int64_t step, const py::dict& tensors) {
     ParamStateRecord r;
@@ -100,12 +104,20 @@ void bind_optim(py::module_& m) {
       .def("step", &Adam8bitHandle::step, py::call_guard<py::gil_scoped_release>())
       .def("skipped_updates", &Adam8bitHandle::skipped_updates)
       .def("state", &Adam8bitHandle::state)
-      .def("set_state", &Adam8bitHandle::set_state);
+      .def("set_state", &Adam8bitHandle::set_state)
+      .def("set_state_from_fp32", &Adam8bitHandle::set_state_from_fp32)
+      .def_static("max_error", [](bool is_signed) { return dynamic_map(is_signed).max_error(); });
   m.def("make_dynamic_maps", [](const std::string& device) {
     dynamic_map(true, c10::Device(device));
     dynamic_map(false, c10::Device(device));
   }, "Makes the 8-bit state's maps on `device` (once per process; they are constants kept for its life).");
   m.def("dynamic_maps_bytes", &dynamic_maps_bytes);
+  m.def(
+      "dequantize_8bit",
+      [](const at::Tensor& codes, const at::Tensor& absmax, bool is_signed) {
+        return dequantize_blockwise(codes, absmax, dynamic_map(is_signed, codes.device()));
+      },
+      "The fp32 values of 8-bit codes (flat): an Adam8bit moment as the step reads it.");
   m.def(
       "measure_8bit_cost",
       [](Tracker& tracker, const std::vector<at::Tensor>& params, double lr, double beta1, double beta2,

@@ -49,4 +49,5 @@ PYBIND11_MODULE(_C, m) {
   memfit::python::bind_measure(m);
   memfit::python::bind_plan(m);
   memfit::python::bind_optim(m);
+  memfit::python::bind_step(m);
 }

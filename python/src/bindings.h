@@ -8,5 +8,6 @@ namespace memfit::python {
 void bind_measure(pybind11::module_& m);
 void bind_plan(pybind11::module_& m);
 void bind_optim(pybind11::module_& m);
+void bind_step(pybind11::module_& m);
 
 }  // namespace memfit::python
