@@ -1,4 +1,5 @@
 """memfit.apply / memfit.remove: a plan run on the user's own model and optimizer."""
+import contextlib
 import math
 import weakref
 
@@ -9,6 +10,7 @@ from memfit._budget import budget as budget_context
 from memfit._checkpoint import Checkpointing
 from memfit._loader import load
 from memfit._measure import autocast, scalar_loss
+from memfit._offload import OptimizerOffload
 from memfit._optim8bit import Adam8bit
 from memfit._progress import Observer, note
 from memfit._sizes import format_bytes
@@ -56,7 +58,10 @@ class Step:
     ``optimizer`` is the optimizer that steps: the user's own, or, where the plan keeps 8-bit
     state, a :class:`memfit.Adam8bit` over the same parameters that carries the user's
     optimizer's moments over (that optimizer's own state is released; save and load this one's
-    ``state_dict``).
+    ``state_dict``). Where the plan offloads the optimizer, the optimizer is moved onto fp32
+    masters of its parameters on the host (``step.offload.masters``; its ``param_groups`` hold
+    them): each gradient is streamed there as backward makes it, the step runs there, and the
+    masters are copied back into the model's weights.
 
     Each call runs under memfit.budget(``budget``): the plan's budget unless given. An
     out-of-memory error there is recovered by memfit's C++ policy (runtime/oom_recovery.h), as
@@ -75,15 +80,28 @@ class Step:
         self.budget = plan.budget_bytes if budget is None else budget
         self.observer = observer or Observer()
         self.oom_splits = 0
-        self.optimizer = self._stepping_optimizer(optimizer, plan)
+        self._parameters = [p for g in optimizer.param_groups for p in g["params"] if p.requires_grad]
+        self.offload = self._offload(optimizer, plan)
+        with _C.HostSpace() if self.offload else contextlib.nullcontext():  # an offloaded 8-bit state on the host
+            self.optimizer = self._stepping_optimizer(optimizer, plan)
         self.scaler = _grad_scaler(self.precision, self.device)
-        self._parameters = [p for p in model.parameters() if p.requires_grad]
+        # Where the step's gradient sums are held: the parameters, or offloaded, their host masters.
+        self._gradient_holders = self.offload.masters if self.offload else self._parameters
         self._steps = 0
         # Always installed: a micro-batch redone after an out-of-memory error recomputes every block.
         self.checkpointing = Checkpointing(plan._blocks, plan.segments)
         self._intercept = _calls.Intercept(plan._blocks, self.checkpointing)
         for module in (b.first for b in plan._blocks):
             module.forward._memfit = True
+
+    def _offload(self, optimizer, plan):
+        if not plan.optimizer_offloaded:
+            return None
+        if self.precision == "fp16":
+            raise ValueError("plan: fp16 with the optimizer offloaded (GradScaler needs the gradients on the device)")
+        note(self.observer, f"the plan offloads the optimizer: the {type(optimizer).__name__}'s state, its step and "
+                            "fp32 masters of the weights are on the host (step.offload)")
+        return OptimizerOffload(self._parameters, optimizer)
 
     def _stepping_optimizer(self, optimizer, plan):
         if plan.optimizer_state != "8bit" or isinstance(optimizer, Adam8bit):
@@ -110,7 +128,8 @@ class Step:
 
     def gradients(self, batch):
         """Forward and backward of the plan on `batch`, leaving the gradients (no optimizer step):
-        to compare them with a plain step's, or to clip them. Returns the loss."""
+        to compare them with a plain step's, or to clip them (offloaded: on ``step.offload.masters``).
+        Returns the loss."""
         self.optimizer.zero_grad(set_to_none=True)
         return self._accumulate(batch)
 
@@ -120,6 +139,8 @@ class Step:
         if self.scaler is not None:
             self.scaler.step(self.optimizer)
             self.scaler.update()
+        elif self.offload is not None:
+            self.offload.step(self.optimizer.step)
         else:
             self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
@@ -156,14 +177,16 @@ class Step:
         return total
 
     def _gradient_versions(self):
-        return [p.grad._version if p.grad is not None else -1 for p in self._parameters]
+        return [p.grad._version if p.grad is not None else -1 for p in self._gradient_holders]
 
     def _release_touched(self, versions):
         """After an out-of-memory error: where it struck after gradients were accumulated, they are
         released; returns whether they held sums of earlier micro-batches (only a restart is exact)."""
+        if self.offload is not None:
+            self.offload.release_device_gradients()
         if self._gradient_versions() == versions:
             return False
-        for p in self._parameters:
+        for p in self._gradient_holders:
             p.grad = None
         return any(v >= 0 for v in versions)
 
@@ -180,6 +203,8 @@ class Step:
             if self.scaler is not None:
                 loss = self.scaler.scale(loss)
             loss.backward()
+            if self.offload is not None:
+                self.offload.release_device_gradients()
             return value * weight
         except RuntimeError as e:
             if not is_out_of_memory(e):

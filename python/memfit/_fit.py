@@ -7,7 +7,7 @@ from memfit._sizes import format_bytes, parse_budget
 
 
 def fit(model, optimizer, loss_fn, batch, budget, blocks=None, precisions=("fp32", "bf16"), optimizer_state="auto",
-        progress=None):
+        offload="none", host_budget=None, progress=None):
     """Plans the step for ``budget``, applies the plan and runs one real step under it.
 
     The configuration that fits the first time, at the full batch: a drop-in for halving the
@@ -22,7 +22,7 @@ def fit(model, optimizer, loss_fn, batch, budget, blocks=None, precisions=("fp32
     budget_bytes = parse_budget(budget, "budget")
     obs = make_observer(progress)
     chosen = plan(model, optimizer, loss_fn, batch, budget_bytes, blocks=blocks, precisions=precisions,
-                  optimizer_state=optimizer_state, progress=obs)
+                  optimizer_state=optimizer_state, offload=offload, host_budget=host_budget, progress=obs)
     step = apply(model, optimizer, chosen, budget=budget_bytes, progress=obs)
     fresh = not any(step.optimizer.state.values())  # its state is made in this step: a lower peak than later steps'
     with budget_context(budget_bytes, chosen.device) as b:

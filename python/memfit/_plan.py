@@ -29,10 +29,13 @@ def _in_python_terms(note):
 class BudgetError(ValueError):
     """No configuration reaches the budget; ``floor_bytes`` is the smallest budget that works."""
 
-    def __init__(self, budget_bytes, floor_bytes):
+    def __init__(self, budget_bytes, floor_bytes, offload_floor_bytes=None):
         self.budget_bytes, self.floor_bytes = budget_bytes, floor_bytes
+        hint = ""
+        if offload_floor_bytes is not None and offload_floor_bytes < floor_bytes:
+            hint = f"; with offload='optimizer', {format_bytes(offload_floor_bytes)} ({offload_floor_bytes} bytes)"
         super().__init__(f"budget {format_bytes(budget_bytes)} ({budget_bytes} bytes) is below what any plan needs: "
-                         f"the smallest budget that works is {format_bytes(floor_bytes)} ({floor_bytes} bytes)")
+                         f"the smallest budget that works is {format_bytes(floor_bytes)} ({floor_bytes} bytes){hint}")
 
 
 class Plan:
@@ -41,8 +44,10 @@ class Plan:
     ``micro_batch`` x ``accumulation`` (samples per forward + backward, and how many make the
     step), ``precision`` (``fp32``, or ``bf16``/``fp16`` under autocast), ``checkpointed`` (the
     names of the blocks recomputed in backward), ``optimizer_state`` (``fp32``, or ``8bit``:
-    memfit's 8-bit Adam/AdamW state), ``predicted_peak_bytes`` (what ``memfit.budget`` will count
-    at the step's peak) and ``predicted_step_seconds``; ``notes`` say why. ``str(plan)`` reads
+    memfit's 8-bit Adam/AdamW state), ``optimizer_offloaded`` (the optimizer's state, its step
+    and fp32 masters of the weights on the host: ``predicted_host_peak_bytes``),
+    ``predicted_peak_bytes`` (what ``memfit.budget`` will count at the step's peak) and
+    ``predicted_step_seconds``; ``notes`` say why. ``str(plan)`` reads
     as a table; ``to_json()`` gives every number.
     """
 
@@ -59,6 +64,8 @@ class Plan:
         self.accumulation = result["accumulation"]
         self.precision = result["precision"]
         self.optimizer_state = result["optimizer_state"]
+        self.optimizer_offloaded = result["optimizer_offloaded"]
+        self.predicted_host_peak_bytes = result["predicted_host_peak_bytes"]
         self.predicted_peak_bytes = result["predicted_peak_bytes"]
         self.predicted_step_seconds = result["predicted_step_seconds"]
         self.plain_predicted_peak_bytes = result["plain_predicted_peak_bytes"]
@@ -75,7 +82,8 @@ class Plan:
             "budget_bytes": self.budget_bytes, "floor_bytes": self.floor_bytes, "batch": self.batch_size,
             "micro_batch": self.micro_batch, "accumulation": self.accumulation, "precision": self.precision,
             "checkpointed": self.checkpointed, "segments": self.segments, "blocks": self.block_names,
-            "optimizer_state": self.optimizer_state, "predicted_peak_bytes": self.predicted_peak_bytes,
+            "optimizer_state": self.optimizer_state, "optimizer_offloaded": self.optimizer_offloaded,
+            "predicted_host_peak_bytes": self.predicted_host_peak_bytes, "predicted_peak_bytes": self.predicted_peak_bytes,
             "predicted_step_seconds": self.predicted_step_seconds,
             "plain_predicted_peak_bytes": self.plain_predicted_peak_bytes,
             "plain_predicted_step_seconds": self.plain_predicted_step_seconds, "notes": self.notes,
@@ -93,7 +101,9 @@ class Plan:
             ("micro-batch x accumulation", f"{self.micro_batch} x {self.accumulation}"),
             ("precision", self.precision),
             ("blocks recomputed", f"{len(self.checkpointed)} of {len(self.block_names)}: {recomputed}"),
-            ("optimizer state", self.optimizer_state),
+            ("optimizer state", self.optimizer_state + (f", on the host (offloaded; host peak "
+                                                         f"{format_bytes(self.predicted_host_peak_bytes)})"
+                                                         if self.optimizer_offloaded else "")),
             ("predicted peak", f"{format_bytes(self.predicted_peak_bytes)} of {format_bytes(self.budget_bytes)}"),
             ("predicted step", f"{self.predicted_step_seconds:.3f} s ({ratio:.2f}x the plain step)"),
         ]
@@ -151,7 +161,8 @@ def resident_bytes(model, optimizer, batch, device):
     return allocated - _storage.unique_bytes(known)
 
 
-def _request(optimizer, samples, device, costs, resident, optimizer_state, micro_batch, margin):
+def _request(optimizer, samples, device, costs, resident, optimizer_state, micro_batch, margin, offload="none",
+             host_budget=0):
     r = _C.RequestOptions()
     r.batch = samples
     r.micro_batch = micro_batch or 0
@@ -163,7 +174,16 @@ def _request(optimizer, samples, device, costs, resident, optimizer_state, micro
     r.resident_bytes = resident
     r.outside_bytes = _budget.outside_bytes(device)  # a CUDA budget counts it too
     r.margin = margin
+    r.offload = offload
+    r.host_budget_bytes = host_budget
     return r
+
+
+def _check_offload(offload):
+    if offload not in ("none", "optimizer", "auto"):
+        raise ValueError(f"offload {offload!r}: expected 'none', 'optimizer' or 'auto' (activations stay on the device "
+                         "from Python)")
+    return offload
 
 
 def _check_optimizer_state(optimizer, optimizer_state):
@@ -182,7 +202,7 @@ def _optimizer_costs(optimizer, tracker, optimizer_state, with_8bit):
 
 
 def plan(model, optimizer, loss_fn, batch, budget, blocks=None, precisions=("fp32", "bf16"), optimizer_state="auto",
-         micro_batch=None, margin=0.03, progress=None):
+         micro_batch=None, margin=0.03, offload="none", host_budget=None, progress=None):
     """Plans the fastest configuration of one training step that fits ``budget``.
 
     ``loss_fn(model, batch) -> loss`` says how a batch becomes a scalar loss (any forward
@@ -194,7 +214,10 @@ def plan(model, optimizer, loss_fn, batch, budget, blocks=None, precisions=("fp3
     bytes, the plain step timed), measures the optimizer's state on copies, and the C++ planner
     searches micro-batch x accumulation, precision (``precisions``), which blocks to recompute
     and the optimizer state (``optimizer_state``: "auto" keeps fp32 unless memfit's 8-bit
-    Adam/AdamW state lets a faster plan fit, or any plan at all).
+    Adam/AdamW state lets a faster plan fit, or any plan at all). ``offload``: "none", "optimizer"
+    (its state, its step and fp32 masters of the weights on the host, each gradient streamed
+    there as backward makes it; ZeRO-Offload), or "auto" (the optimizer offloaded only where that
+    fits when the device alone does not, or runs faster); ``host_budget`` caps the host bytes.
 
     The model, its gradients, buffers and the random generators are left as they were (also on
     Ctrl-C). Returns a :class:`Plan`; raises :class:`BudgetError` (naming the smallest budget
@@ -209,7 +232,15 @@ def plan(model, optimizer, loss_fn, batch, budget, blocks=None, precisions=("fp3
         raise ValueError(f"margin {margin!r}: expected a fraction of the budget from 0 to 0.5")
     found = _blocks.find_blocks(model, blocks)
     device = _device_of(model, batch)
+    offload = _check_offload(offload)
+    host_budget_bytes = 0 if host_budget is None else parse_budget(host_budget, "host_budget")
     chosen, notes = _precisions(precisions, device)
+    if offload != "none" and "fp16" in chosen:  # GradScaler unscales on the device, the gradients are on the host
+        chosen = [c for c in chosen if c != "fp16"]
+        notes.append("fp16 not considered: its loss scaler needs the gradients on the device, offload puts them on the host")
+        if not chosen:
+            raise ValueError(f"precisions {tuple(precisions)!r}: fp16 cannot run with offload={offload!r} (its loss "
+                             "scaler needs the gradients on the device); add 'fp32' or 'bf16'")
     with_8bit = _check_optimizer_state(optimizer, optimizer_state)
     if with_8bit:
         _C.make_dynamic_maps(str(device))  # constants for the process's life: resident from now on
@@ -228,12 +259,17 @@ def plan(model, optimizer, loss_fn, batch, budget, blocks=None, precisions=("fp3
             costs = _optimizer_costs(optimizer, tracker, optimizer_state, with_8bit)
         finally:
             install.close()
-        request = _request(optimizer, samples, device, costs, resident, optimizer_state, micro_batch, margin)
+        request = _request(optimizer, samples, device, costs, resident, optimizer_state, micro_batch, margin, offload,
+                           host_budget_bytes)
         planner = _C.Planner(profile, request)
         result = _C.plan_timing_as_needed(planner, budget_bytes, profiler.timer)
+        if not result["feasible"] and offload == "none":
+            offloaded = _request(optimizer, samples, device, costs, resident, optimizer_state, micro_batch, margin,
+                                 "optimizer", host_budget_bytes)
+            offload_floor = _C.Planner(profile, offloaded).floor_bytes()
     finally:
         state.restore()
         obs.close()
     if not result["feasible"]:
-        raise BudgetError(budget_bytes, result["floor_bytes"])
+        raise BudgetError(budget_bytes, result["floor_bytes"], offload_floor if offload == "none" else None)
     return Plan(result, found, loss_fn, model, samples, device)

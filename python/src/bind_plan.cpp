@@ -9,6 +9,7 @@
 #include <vector>
 
 #include "bindings.h"
+#include "memfit/errors.h"
 #include "memfit/plan/job.h"
 #include "memfit/plan/planner.h"
 #include "memfit/plan/profile.h"
@@ -33,6 +34,10 @@ struct RequestOptions {
   int64_t resident_bytes = 0;
   int64_t outside_bytes = 0;        // CUDA: memory outside the caching allocator (memfit.budget's too)
   double margin = kPlanMargin;
+  // none, optimizer or auto; saved activations stay on the device (their offload needs memfit's
+  // autograd engine, which Python's replaces).
+  std::string offload = "none";
+  int64_t host_budget_bytes = 0;    // 0: unlimited
 };
 
 PlanRequest make_request(const RequestOptions& o) {
@@ -50,6 +55,11 @@ PlanRequest make_request(const RequestOptions& o) {
   r.resident_bytes = o.resident_bytes;
   r.outside_bytes = o.outside_bytes;
   r.margin = o.margin;
+  const OffloadMode offload = parse_offload_mode(o.offload);
+  check_option(offload == OffloadMode::kNone || offload == OffloadMode::kOptimizer || offload == OffloadMode::kAuto,
+               "offload", o.offload, "expected none, optimizer or auto (activations stay on the device from Python)");
+  request_offload(r, offload == OffloadMode::kAuto ? OffloadMode::kOptimizer : offload, o.host_budget_bytes);
+  if (offload == OffloadMode::kAuto) r.optimizer_offload = {false, true};  // the optimizer only where it pays
   return r;
 }
 
@@ -64,6 +74,8 @@ py::dict plan_dict(const Plan& p) {
   d["precision"] = std::string(precision_name(p.config.precision));
   d["segments"] = p.config.checkpoint.segments;
   d["optimizer_state"] = std::string(state_precision_name(p.config.optimizer.state));
+  d["optimizer_offloaded"] = p.config.offload.optimizer;
+  d["predicted_host_peak_bytes"] = p.predicted_host_peak;
   d["predicted_peak_bytes"] = p.predicted_peak;
   d["predicted_step_seconds"] = p.predicted_seconds;
   d["plain_predicted_peak_bytes"] = p.plain_predicted_peak;
@@ -180,7 +192,9 @@ void bind_planner(py::module_& m) {
       .def_readwrite("optimizer_costs", &RequestOptions::optimizer_costs)
       .def_readwrite("resident_bytes", &RequestOptions::resident_bytes)
       .def_readwrite("outside_bytes", &RequestOptions::outside_bytes)
-      .def_readwrite("margin", &RequestOptions::margin);
+      .def_readwrite("margin", &RequestOptions::margin)
+      .def_readwrite("offload", &RequestOptions::offload)
+      .def_readwrite("host_budget_bytes", &RequestOptions::host_budget_bytes);
   py::class_<Planner>(m, "Planner")
       .def(py::init([](const WorkloadProfile& profile, const RequestOptions& o) { return Planner(profile, make_request(o)); }))
       .def("plan", [](const Planner& p, int64_t budget) { return plan_dict(p.plan(budget)); },

@@ -1,19 +1,47 @@
-// Bindings of runtime/'s step policy that the Python package runs the user's model under: what
-// an out-of-memory error in the middle of a step leads to (oom_recovery.h), so that a Python
-// step recovers exactly as the C++ Trainer's does.
+// Bindings of runtime/'s step parts that the Python package runs the user's model with: what an
+// out-of-memory error in the middle of a step leads to (oom_recovery.h), so that a Python step
+// recovers exactly as the C++ Trainer's does; the optimizer on the host (optimizer_offload.h).
 #include <torch/extension.h>
 #include <pybind11/functional.h>
 #include <pybind11/stl.h>
 
+#include <optional>
 #include <string>
 #include <vector>
 
 #include "bindings.h"
+#include "memfit/measure/memory_space.h"
 #include "memfit/runtime/oom_recovery.h"
+#include "memfit/runtime/optimizer_offload.h"
 
 namespace py = pybind11;
 
 namespace memfit::python {
+
+namespace {
+
+// A Python `with` block whose CPU allocations go to the host space (HostSpaceGuard).
+struct HostSpace {
+  std::optional<HostSpaceGuard> guard;
+};
+
+void bind_offload(py::module_& m) {
+  py::class_<HostSpace>(m, "HostSpace")
+      .def(py::init<>())
+      .def("__enter__", [](HostSpace& h) { h.guard.emplace(); })
+      .def("__exit__", [](HostSpace& h, const py::args&) { h.guard.reset(); });
+  m.def("copy_to_host", [](const at::Tensor& t) { return copy_to_host(t); },
+        "A copy of `t` in the host space (pinned CPU memory on CUDA), counted as host bytes.");
+  // The Python optimizer is moved onto host_parameters() by the caller (memfit/_offload.py);
+  // step(fn) runs fn (the optimizer's step) in the host space, then copies the masters back.
+  py::class_<OptimizerOffload>(m, "OptimizerOffload")
+      .def(py::init<std::vector<at::Tensor>>(), py::arg("device_parameters"))
+      .def("host_parameters", &OptimizerOffload::host_parameters)
+      .def("release_device_gradients", &OptimizerOffload::release_device_gradients)
+      .def("step", &OptimizerOffload::step, py::arg("step"), py::call_guard<py::gil_scoped_release>());
+}
+
+}  // namespace
 
 void bind_step(py::module_& m) {
   py::class_<PendingMicroBatch>(m, "PendingMicroBatch")
@@ -58,6 +86,7 @@ void bind_step(py::module_& m) {
            })
       .def_property_readonly("real_oom_in_step", &SplitRecovery::real_oom_in_step)
       .def_property_readonly("recoveries", &SplitRecovery::recoveries);
+  bind_offload(m);
 }
 
 }  // namespace memfit::python

@@ -1,0 +1,93 @@
+"""The optimizer offloaded from Python (offload="optimizer" / "auto"): the same weights as a plain
+step, the device's bytes below what a device-only plan needs, the existing state moved off it."""
+import pytest
+import torch
+
+import memfit
+from models import make
+from test_plan_apply import plain_peak, plain_step
+
+
+def weights(model):
+    return [p.detach().clone() for p in model.parameters()]
+
+
+@pytest.mark.parametrize("name", ["mlp", "gpt"])
+def test_offloaded_steps_give_the_plain_steps_weights_bit_for_bit(name):
+    model, batch, loss_fn = make(name)
+    reference, _, _ = make(name)
+    reference.load_state_dict(model.state_dict())
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    ref_opt = torch.optim.AdamW(reference.parameters(), lr=1e-3)
+    samples = memfit._batch.sample_count(batch)
+    plan = memfit.plan(model, opt, loss_fn, batch, 1 << 40, precisions=("fp32",), optimizer_state="fp32",
+                       micro_batch=samples, offload="optimizer", progress=False)
+    assert plan.optimizer_offloaded and plan.predicted_host_peak_bytes > 0
+    step = memfit.apply(model, opt, plan)
+    try:
+        for _ in range(3):
+            torch.manual_seed(1)  # dropout draws the same masks on both sides
+            loss = step(batch)
+            torch.manual_seed(1)
+            ref_loss = plain_step(reference, ref_opt, loss_fn, batch)
+            assert loss == pytest.approx(ref_loss, rel=1e-6)
+    finally:
+        memfit.remove(model)
+    for got, expected in zip(weights(model), weights(reference)):
+        assert torch.equal(got, expected)
+    assert all(p.grad is None for p in model.parameters()), "no device gradient is left after the step"
+
+
+def test_below_the_device_only_floor_auto_offloads_and_the_step_fits():
+    name = "mlp"
+    budget = int(plain_peak(name) * 0.3)
+    model, batch, loss_fn = make(name)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    with pytest.raises(memfit.BudgetError, match="offload='optimizer'"):
+        memfit.plan(model, opt, loss_fn, batch, budget, precisions=("fp32",), optimizer_state="fp32", progress=False)
+    plan = memfit.plan(model, opt, loss_fn, batch, budget, precisions=("fp32",), optimizer_state="fp32",
+                       offload="auto", progress=False)
+    assert plan.optimizer_offloaded, str(plan)
+    step = memfit.apply(model, opt, plan)
+    try:
+        with memfit.budget(budget) as b:
+            losses = [step(batch) for _ in range(4)]
+    finally:
+        memfit.remove(model)
+    assert b.peak_bytes <= budget
+    error = abs(plan.predicted_peak_bytes - b.peak_bytes) / b.peak_bytes
+    assert error <= 0.05, f"{plan}\nmeasured {b.peak_bytes}, predicted {plan.predicted_peak_bytes} ({error:.1%})"
+    assert step.oom_splits == 0
+    assert losses[-1] < losses[0]
+
+
+def test_an_optimizers_existing_state_leaves_the_device():
+    model, batch, loss_fn = make("mlp")
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    plain_step(model, opt, loss_fn, batch)  # the state exists: 2 fp32 moments per parameter
+    moments = {id(p): opt.state[p]["exp_avg"].clone() for p in model.parameters()}
+    state_bytes = sum(v.numel() * v.element_size() for s in opt.state.values() for v in s.values() if torch.is_tensor(v) and v.dim() > 0)
+    weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
+    samples = memfit._batch.sample_count(batch)
+    plan = memfit.plan(model, opt, loss_fn, batch, 1 << 40, precisions=("fp32",), optimizer_state="fp32",
+                       micro_batch=samples, offload="optimizer", progress=False)
+    before = memfit.allocated_bytes()
+    step = memfit.apply(model, opt, plan)
+    try:
+        after = memfit.allocated_bytes()
+        assert before - after >= state_bytes, "the fp32 moments left the device's bytes"
+        masters = step.offload.masters
+        assert [id(p) for p in opt.param_groups[0]["params"]] == [id(m) for m in masters]
+        for p, m in zip(model.parameters(), masters):
+            assert torch.equal(opt.state[m]["exp_avg"], moments[id(p)]), "the moments carried over exactly"
+        assert weight_bytes > 0
+        step(batch)
+    finally:
+        memfit.remove(model)
+
+
+def test_a_bad_offload_is_one_value_error_naming_it():
+    model, batch, loss_fn = make("mlp")
+    opt = torch.optim.AdamW(model.parameters())
+    with pytest.raises(ValueError, match="^offload 'activations': expected"):
+        memfit.plan(model, opt, loss_fn, batch, 1 << 30, offload="activations", progress=False)
