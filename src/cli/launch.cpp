@@ -1,4 +1,5 @@
 #include "launch.h"
+#include "memfit/errors.h"
 
 #include <arpa/inet.h>
 #include <fcntl.h>
@@ -94,10 +95,8 @@ std::string describe_status(int status) {
 int exit_code(int status) { return WIFSIGNALED(status) ? 128 + WTERMSIG(status) : WEXITSTATUS(status); }
 
 void validate(const LaunchOptions& o) {
-  if (o.nproc < 1) throw std::invalid_argument("invalid --nproc " + std::to_string(o.nproc) + ": expected a positive integer");
-  if (o.master_port < 0 || o.master_port > 65535) {
-    throw std::invalid_argument("invalid --master-port " + std::to_string(o.master_port) + ": expected 1 to 65535 (0: a free one)");
-  }
+  check_option(o.nproc >= 1, "--nproc", o.nproc, "expected a positive integer");
+  check_option(o.master_port >= 0 && o.master_port <= 65535, "--master-port", o.master_port, "expected 1 to 65535 (0: a free one)");
   if (o.command.empty() || o.command[0] != "train") {
     throw std::invalid_argument("memfit launch runs 'train': expected 'memfit launch --nproc N -- train [flags]'");
   }

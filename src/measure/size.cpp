@@ -1,4 +1,5 @@
 #include "memfit/measure/size.h"
+#include "memfit/errors.h"
 
 #include <algorithm>
 #include <cctype>
@@ -12,7 +13,7 @@ int64_t parse_size(const std::string& text) {
   const std::string accepted =
       "expected a size such as 512MiB, 1.5GiB, 800MB, 1e9 or plain bytes";
   auto fail = [&]() -> int64_t {
-    throw std::invalid_argument("invalid size '" + text + "': " + accepted);
+    throw OptionError("size", "'" + text + "'", accepted);
   };
   if (text.empty()) return fail();
   size_t used = 0;
@@ -66,7 +67,7 @@ std::vector<int64_t> parse_step_list(const std::string& text, int64_t last) {
     const std::string item = text.substr(start, comma - start);
     const bool digits = !item.empty() && item.size() <= 18 && item.find_first_not_of("0123456789") == std::string::npos;
     const int64_t step = digits ? std::stoll(item) : 0;
-    if (step < 1 || step > last) throw std::invalid_argument("invalid step list '" + text + "': " + expected);
+    if (step < 1 || step > last) throw OptionError("step list", "'" + text + "'", expected);
     steps.push_back(step);
     start = comma + 1;
   }

@@ -45,7 +45,7 @@ Plan plan_from_json(const nlohmann::json& j, int blocks) {
   p.plain_predicted_seconds = jf::number(plain, "predicted_seconds");
   if (j.contains("reserved")) p.reserved = reserved_check_from_json(j.at("reserved"));
   for (const auto& note : jf::array(j, "notes")) {
-    if (!note.is_string()) throw std::invalid_argument("JSON: 'notes' must hold strings");
+    if (!note.is_string()) jf::refuse("notes", note, "expected strings");
     p.notes.push_back(note.get<std::string>());
   }
   return p;

@@ -112,7 +112,7 @@ MeasuredCosts measured_costs_from_json(const nlohmann::json& j) {
   MeasuredCosts costs;
   costs.profile = profile_from_json(json_fields::field(j, "profile"));
   for (const auto& c : json_fields::array(j, "optimizer")) costs.optimizer.push_back(optimizer_cost_from_json(c));
-  if (costs.optimizer.empty()) throw std::invalid_argument("JSON: 'optimizer' must not be empty");
+  if (costs.optimizer.empty()) json_fields::refuse("optimizer", j.at("optimizer"), "expected at least one optimizer cost");
   return costs;
 }
 

@@ -63,10 +63,10 @@ PeakMoments peak_moments_from_json(const nlohmann::json& j) {
   char* end = nullptr;
   p.pattern = std::strtoull(pattern.c_str(), &end, 16);
   if (pattern.size() != 16 || end != pattern.c_str() + 16) {
-    throw std::invalid_argument("JSON: 'pattern' must be 16 hex digits, got \"" + pattern + "\"");
+    jf::refuse("pattern", pattern, "expected 16 hex digits");
   }
   for (const auto& v : jf::array(j, "bytes")) {  // (below the start where a run frees first)
-    if (!v.is_number_integer()) throw std::invalid_argument("JSON: 'bytes' must hold integers, got " + v.dump());
+    if (!v.is_number_integer()) jf::refuse("bytes", v, "expected integers");
     p.bytes.push_back(v.get<int64_t>());
   }
   return p;
@@ -138,7 +138,7 @@ PrecisionProfile precision_profile_from_json(const nlohmann::json& j, size_t blo
   p.calibration = jf::number(j, "calibration");
   int64_t previous = 0;
   for (const auto& t : jf::array(j, "chain_seconds")) {
-    if (!t.is_array() || t.size() != 2) throw std::invalid_argument("JSON: 'chain_seconds' holds [micro-batch, seconds] pairs");
+    if (!t.is_array() || t.size() != 2) jf::refuse("chain_seconds", t, "expected [micro-batch, seconds] pairs");
     const nlohmann::json pair{{"micro_batch", t[0]}, {"seconds", t[1]}};
     p.chain_seconds.push_back({jf::integer(pair, "micro_batch", previous + 1), jf::number(pair, "seconds")});
     previous = p.chain_seconds.back().micro_batch;
@@ -168,13 +168,13 @@ WorkloadProfile profile_from_json(const nlohmann::json& j) {
   p.segment_overhead_bytes = jf::integer(j, "segment_overhead_bytes");
   const auto blocks = static_cast<size_t>(jf::integer(j, "blocks", 1));
   const auto& precisions = jf::array(j, "precisions");
-  if (precisions.empty()) throw std::invalid_argument("JSON: 'precisions' must not be empty");
+  if (precisions.empty()) jf::refuse("precisions", precisions, "expected at least one precision");
   for (const auto& pp : precisions) p.precisions.push_back(precision_profile_from_json(pp, blocks));
   if (std::all_of(p.precisions.begin(), p.precisions.end(), [](const PrecisionProfile& pp) { return pp.chain_seconds.empty(); })) {
-    throw std::invalid_argument("JSON: 'chain_seconds' must not be empty at every precision");
+    jf::refuse("chain_seconds", nlohmann::json::array(), "expected timings at one precision at least");
   }
   for (const auto& note : jf::array(j, "notes")) {
-    if (!note.is_string()) throw std::invalid_argument("JSON: 'notes' must hold strings");
+    if (!note.is_string()) jf::refuse("notes", note, "expected strings");
     p.notes.push_back(note.get<std::string>());
   }
   return p;
@@ -191,7 +191,7 @@ OptimizerCost optimizer_cost_from_json(const nlohmann::json& j) {
   c.step_bytes = jf::integer(j, "step_bytes");
   c.seconds = jf::number(j, "seconds");
   c.state = parse_state_precision(jf::text(j, "state"));
-  if (c.state == StatePrecision::kAuto) throw std::invalid_argument("JSON: an optimizer cost's 'state' is fp32 or 8bit");
+  if (c.state == StatePrecision::kAuto) jf::refuse("state", j.at("state"), "expected fp32 or 8bit (a measured state)");
   return c;
 }
 

@@ -1,4 +1,5 @@
 #include "memfit/plan/schedule.h"
+#include "memfit/errors.h"
 
 #include <algorithm>
 #include <cmath>
@@ -190,7 +191,10 @@ std::vector<Unit> units_of(int n, const std::vector<std::pair<int, int>>& segmen
   };
   int next = 0;
   for (const auto& [first, last] : segments) {
-    if (first < next || last < first || last >= n) throw std::invalid_argument("segments must be sorted, disjoint, inside the chain");
+    if (first < next || last < first || last >= n) {
+      throw OptionError("segments", "[" + std::to_string(first) + ", " + std::to_string(last) + "]",
+                        "expected sorted, disjoint segments inside the chain of " + std::to_string(n) + " blocks");
+    }
     for (int k = next; k < first; ++k) plain(k);
     units.push_back({first, last, true});
     next = last + 1;
@@ -250,7 +254,10 @@ struct UnitRules {
     in_pinned.assign(static_cast<size_t>(n), false);
     if (pinned == nullptr) return;
     for (const auto& [first, last] : *pinned) {
-      if (first < 0 || last < first || last >= n) throw std::invalid_argument("pinned segments must lie inside the chain");
+      if (first < 0 || last < first || last >= n) {
+        throw OptionError("segments", "[" + std::to_string(first) + ", " + std::to_string(last) + "]",
+                          "expected pinned segments inside the chain of " + std::to_string(n) + " blocks");
+      }
       pinned_end[static_cast<size_t>(first)] = last;
       for (int k = first; k <= last; ++k) in_pinned[static_cast<size_t>(k)] = true;
     }

@@ -178,7 +178,7 @@ OptimizerSpec optimizer_spec_from_json(const nlohmann::json& j) {
     try {
       s.state = parse_state_precision(jf::text(j, "state"));
     } catch (const OptionError& e) {
-      throw std::invalid_argument(std::string("JSON: 'state' ") + e.expected() + ", got " + j.at("state").dump());
+      jf::refuse("state", j.at("state"), e.expected());
     }
   }
   check_optimizer_spec(s);

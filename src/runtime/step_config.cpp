@@ -75,13 +75,13 @@ StepConfig step_config_from_json(const nlohmann::json& j, int blocks) {
   try {
     c.device = c10::Device(jf::text(j, "device"));
   } catch (const c10::Error&) {
-    throw std::invalid_argument("JSON: 'device' must name a device, got " + jf::field(j, "device").dump());
+    jf::refuse("device", jf::field(j, "device"), "expected a device such as cpu or cuda:0");
   }
   c.batch = jf::integer(j, "batch", 1);
   c.micro_batch = jf::integer(j, "micro_batch", 0);
   c.precision = parse_precision(jf::text(j, "precision"));
   for (const auto& segment : jf::array(j, "segments")) {
-    if (!segment.is_array() || segment.size() != 2) throw std::invalid_argument("JSON: 'segments' must hold [first, last] pairs");
+    if (!segment.is_array() || segment.size() != 2) jf::refuse("segments", segment, "expected [first, last] pairs");
     c.checkpoint.segments.emplace_back(jf::integer({{"first", segment[0]}}, "first", 0, INT32_MAX),
                                        jf::integer({{"last", segment[1]}}, "last", 0, INT32_MAX));
   }

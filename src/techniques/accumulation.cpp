@@ -3,14 +3,14 @@
 #include <stdexcept>
 #include <string>
 
+#include "memfit/errors.h"
+
 namespace memfit {
 
 std::vector<MicroBatch> split_batch(int64_t batch, int64_t micro_batch) {
-  if (batch < 1) throw std::invalid_argument("invalid batch " + std::to_string(batch) + ": expected >= 1");
-  if (micro_batch < 1 || micro_batch > batch) {
-    throw std::invalid_argument("invalid micro-batch " + std::to_string(micro_batch) +
-                                ": expected 1 to the batch size " + std::to_string(batch));
-  }
+  check_option(batch >= 1, "batch", batch, "expected >= 1");
+  check_option(micro_batch >= 1 && micro_batch <= batch, "micro_batch", micro_batch,
+               "expected 1 to the batch size " + std::to_string(batch));
   std::vector<MicroBatch> out;
   for (int64_t start = 0; start < batch; start += micro_batch) {
     const int64_t length = std::min(micro_batch, batch - start);

@@ -224,7 +224,7 @@ StatePart parse_part(const std::string& bytes) {
 // k = 0, 1, ... (plain file names in DIR).
 std::vector<fs::path> manifest_files(const fs::path& dir, const nlohmann::json& manifest) {
   const auto& files = json_fields::array(manifest, "files");
-  if (files.empty()) throw std::invalid_argument("JSON: 'files' names no file");
+  if (files.empty()) json_fields::refuse("files", files, "expected one file at least");
   const std::string head = json_fields::text(files[0], "name");
   const bool digits = head.size() > 11 && head.find_first_not_of("0123456789", 6) == head.size() - 5;
   if (head.rfind("state-", 0) != 0 || head.compare(head.size() - 5, 5, ".json") != 0 || !digits) {
@@ -547,15 +547,14 @@ SavedMeta SavedMeta::from_json(const nlohmann::json& j) {
   namespace jf = json_fields;
   const int64_t version = jf::integer(j, "version");
   if (version != kVersion) {
-    throw std::invalid_argument("JSON: 'version' " + std::to_string(version) + " is not this memfit's (" +
-                                std::to_string(kVersion) + ")");
+    jf::refuse("version", version, "expected this memfit's " + std::to_string(kVersion));
   }
   SavedMeta m;
   m.step = jf::integer(j, "step");
   m.batch = jf::integer(j, "batch", 1);
   const auto& seed = jf::field(j, "seed");
   if (!seed.is_number_unsigned() && !(seed.is_number_integer() && seed.get<int64_t>() >= 0)) {
-    throw std::invalid_argument("JSON: 'seed' must be a non-negative integer, got " + seed.dump());
+    jf::refuse("seed", seed, "expected a non-negative integer");
   }
   m.seed = seed.get<uint64_t>();
   m.model = jf::text(j, "model");
@@ -563,7 +562,7 @@ SavedMeta SavedMeta::from_json(const nlohmann::json& j) {
   m.optimizer = parse_optimizer_family(jf::text(j, "optimizer"));
   m.optimizer_state = parse_state_precision(jf::text(j, "optimizer_state"));
   m.plan = jf::field(j, "plan");
-  if (!m.plan.is_object()) throw std::invalid_argument("JSON: 'plan' must be an object, got " + m.plan.dump());
+  if (!m.plan.is_object()) jf::refuse("plan", m.plan, "expected an object");
   return m;
 }
 
