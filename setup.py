@@ -8,6 +8,11 @@ python/src/, through torch's own extension machinery: the same LibTorch, the sam
 the same pybind11 as the running torch, so memfit's allocator and tracker see every allocation
 Python makes. Objects go to build-python/torch-<version>/ (kept between builds: ninja rebuilds
 only what changed; MAX_JOBS sets its parallelism).
+
+    MEMFIT_LIBRARY=$PWD/build/libmemfit.a pip install .
+
+links the library CMake built against this same torch instead of compiling its sources again,
+only the bindings compiled here (CI does this: one build of the library per LibTorch).
 """
 import os
 import sys
@@ -47,11 +52,24 @@ def torch_has_cuda():
         os.path.join(os.path.dirname(torch.__file__), "lib", "libc10_cuda.so"))
 
 
+def prebuilt_library():
+    """MEMFIT_LIBRARY: a libmemfit.a CMake built against this torch (position-independent), or None."""
+    path = os.environ.get("MEMFIT_LIBRARY")
+    if not path:
+        return None
+    if not os.path.isfile(path):
+        sys.exit(f"memfit: MEMFIT_LIBRARY {path!r}: expected the libmemfit.a a CMake build made (no such file)")
+    return os.path.abspath(path)
+
+
 def extension():
     with_cuda = torch_has_cuda()
+    prebuilt = prebuilt_library()
     defines = [("MEMFIT_WITH_CUDA", "1" if with_cuda else "0"), ("FMT_HEADER_ONLY", "1"),
                ("MEMFIT_VERSION", '"0.1.0"')]
     libraries = ["crypto"] + (["c10_cuda", "torch_cuda"] if with_cuda else [])
+    if prebuilt:
+        libraries += ["fmt", "z"]  # the library's own links (CMake: fmt::fmt, ZLIB)
     include_dirs = [os.path.join(ROOT, "include"), os.path.join(ROOT, "src")]
     if with_cuda:
         # The CUDA runtime headers c10/cuda includes: the toolkit's, else the wheel's nvidia package.
@@ -63,7 +81,9 @@ def extension():
                 break
     return CppExtension(
         "memfit._C",
-        sources=[os.path.relpath(os.path.join(ROOT, s)) for s in library_sources() + BINDING_SOURCES],
+        sources=[os.path.relpath(os.path.join(ROOT, s)) for s in (BINDING_SOURCES if prebuilt else
+                                                                  library_sources() + BINDING_SOURCES)],
+        extra_objects=[prebuilt] if prebuilt else [],
         include_dirs=include_dirs,
         define_macros=defines,
         libraries=libraries,
