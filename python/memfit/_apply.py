@@ -1,6 +1,5 @@
 """memfit.apply / memfit.remove: a plan run on the user's own model and optimizer."""
 import contextlib
-import math
 import weakref
 
 import torch
