@@ -7,11 +7,11 @@ namespace {
 
 Report report_of(const ReportOptions& o) { return test::report_of(test::small_gpt(), o); }
 
-ReportOptions gpt_report(int64_t batch = 8) { return test::report_options(batch); }
+ReportOptions gpt_options(int64_t batch = 8) { return test::report_options(batch); }
 
 TEST(TechniquesTest, CheckpointingEveryBlockCutsActivationsAtPeak) {
-  auto plain = report_of(gpt_report());
-  auto o = gpt_report();
+  auto plain = report_of(gpt_options());
+  auto o = gpt_options();
   o.step.checkpoint = CheckpointPlan::all(14);
   auto ckpt = report_of(o);
   const double ratio = static_cast<double>(ckpt.analysis.at_peak.activations) /
@@ -42,8 +42,8 @@ TEST(TechniquesTest, MicroBatchingMatchesFullBatchGradients) {
 }
 
 TEST(TechniquesTest, MicroBatchQuarterCutsActivationsAtPeak) {
-  auto plain = report_of(gpt_report(8));
-  auto o = gpt_report(8);
+  auto plain = report_of(gpt_options(8));
+  auto o = gpt_options(8);
   o.step.micro_batch = 2;
   auto micro = report_of(o);
   const double ratio = static_cast<double>(micro.analysis.at_peak.activations) /
@@ -62,8 +62,8 @@ TEST(TechniquesTest, SplitBatchRejectsBadSizes) {
 }
 
 TEST(TechniquesTest, Bf16AutocastCutsActivationsAndReportsTheCastCache) {
-  auto fp32 = report_of(gpt_report());
-  auto o = gpt_report();
+  auto fp32 = report_of(gpt_options());
+  auto o = gpt_options();
   o.step.precision = Precision::kBF16;
   auto bf16 = report_of(o);
   const double ratio = static_cast<double>(bf16.analysis.at_peak.activations) /
@@ -81,16 +81,16 @@ TEST(TechniquesTest, Bf16AutocastCutsActivationsAndReportsTheCastCache) {
 }
 
 TEST(TechniquesTest, SetToNoneReleasesExactlyTheGradientBytes) {
-  auto released = report_of(gpt_report());
-  auto o = gpt_report();
+  auto released = report_of(gpt_options());
+  auto o = gpt_options();
   o.step.set_to_none = false;
   auto kept = report_of(o);
   EXPECT_EQ(kept.between_steps_bytes - released.between_steps_bytes, released.parameter_bytes);
 }
 
 TEST(TechniquesTest, EvalPeakIsSmall) {
-  auto train = report_of(gpt_report());
-  auto o = gpt_report();
+  auto train = report_of(gpt_options());
+  auto o = gpt_options();
   o.eval_only = true;
   auto eval = report_of(o);
   EXPECT_LE(static_cast<double>(eval.analysis.peak_bytes), 0.35 * static_cast<double>(train.analysis.peak_bytes));

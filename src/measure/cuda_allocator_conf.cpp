@@ -75,12 +75,6 @@ bool parse_count(const std::string& text, int64_t* out) {
 
 bool is_power_of_two(int64_t v) { return v > 0 && (v & (v - 1)) == 0; }
 
-int log2_floor(int64_t v) {
-  int log = 0;
-  while (v > 1) v >>= 1, ++log;
-  return log;
-}
-
 // 2.x's list form: the first entry also covers the intervals below it; ">" covers the rest,
 // from the last entry named (whose own value it replaces, as 2.x does).
 void parse_divisions_list(const std::string& list, CudaAllocatorConf& conf, CudaAllocatorRules rules,

@@ -58,12 +58,6 @@ struct Pool {
   int64_t age(const Block* b) const { return searches - b->gc_base; }
 };
 
-int log2_floor(int64_t v) {
-  int log = 0;
-  while (v > 1) v >>= 1, ++log;
-  return log;
-}
-
 int64_t ceil_to(int64_t v, int64_t step) { return (v + step - 1) / step * step; }
 
 // The next of `divisions` equal steps between two powers of two (1200 in 4 steps: 1280).

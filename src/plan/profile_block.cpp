@@ -17,8 +17,7 @@
 namespace memfit {
 namespace {
 
-using Clock = std::chrono::steady_clock;
-double seconds_since(Clock::time_point t0) { return std::chrono::duration<double>(Clock::now() - t0).count(); }
+using Clock = ProfileClock;
 
 
 // "profiling at micro-batch 8 (backward)": what errors inside a profiled block say ran.

@@ -4,9 +4,16 @@
 
 #include <ATen/ATen.h>
 
+#include <chrono>
+
 #include "memfit/plan/profile.h"
 
 namespace memfit {
+
+using ProfileClock = std::chrono::steady_clock;
+inline double seconds_since(ProfileClock::time_point t0) {
+  return std::chrono::duration<double>(ProfileClock::now() - t0).count();
+}
 
 // One block of a profiled chain: what it costs, the next block's input, and whether this
 // block kept its own input for backward (then the previous block's output stays alive).

@@ -39,6 +39,12 @@ constexpr int64_t kMinLargeAlloc = 10 * kMiB; // requests from here get a segmen
 constexpr int64_t kRoundLarge = 2 * kMiB;     // ... rounded up to 2 MiB
 constexpr int kRoundupIntervals = 16;         // 2.x: one divisions setting per power of two, 1 MiB to 64 GiB
 constexpr int64_t kNoLimit = std::numeric_limits<int64_t>::max();
+// floor(log2(v)) for v >= 1: the power-of-two interval a size falls in.
+constexpr int log2_floor(int64_t v) {
+  int log = 0;
+  while (v > 1) v >>= 1, ++log;
+  return log;
+}
 }  // namespace cuda_sizes
 
 struct CudaAllocatorConf {
