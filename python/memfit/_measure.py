@@ -48,8 +48,9 @@ def _tensor_bytes(t):
 class _Parts:
     """The measurements of the chain's parts during one run."""
 
-    def __init__(self, tracker, count, parameters):
+    def __init__(self, tracker, count, parameters, batch):
         self.tracker = tracker
+        self.batch_storages = {_storage.storage_key(t) for t in _batch.tensors(batch)}
         self.count = count
         self.parameters = parameters
         self.run_live0 = tracker.current()  # live bytes when the run starts
@@ -98,11 +99,16 @@ class _Parts:
         self.fwd_peak[previous] = self._peak()
         self.fwd_events[previous] = self._events()
         if tensor is not None:
-            self.out_bytes[previous] = _tensor_bytes(tensor)
+            self.out_bytes[previous] = 0 if self._is_batch(tensor) else _tensor_bytes(tensor)
             self.watch[previous] = _C.StorageWatch(tensor)
             if hook_backward and tensor.requires_grad:
                 tensor.register_hook(self._backward_hook(part))
         self._start(part)
+
+    def _is_batch(self, tensor):
+        """The first block's input taken from the batch as it is: counted as the batch's bytes,
+        and no gradient comes back for it (the CLI's chain input, likewise)."""
+        return not tensor.requires_grad and _storage.storage_key(tensor) in self.batch_storages
 
     def end_forward(self, loss):
         last = self.count - 1
@@ -182,10 +188,14 @@ class ChainRunner:
         raise ValueError(f"blocks: expected each block to run once per forward, in order, but {names[wanted]} "
                          f"came after {names[done]}; pass blocks= modules that run one after another")
 
-    def measure(self, tracker, batch, precision):
+    def measure(self, tracker, batch, precision, accumulating=False):
         """Forward + backward of one micro-batch: each part's measurements, and the run's peak
-        above the bytes live at its start."""
-        parts = _Parts(tracker, self.parts, self.parameters)
+        above the bytes live at its start. accumulating: as a step's later micro-batches run,
+        every gradient there before (zeros, made first) and added into."""
+        if accumulating:
+            for p in self.parameters:
+                p.grad = torch.zeros_like(p)
+        parts = _Parts(tracker, self.parts, self.parameters, batch)
         tracker.start_recording()
         try:
             loss = self._forward(parts, batch, precision, hook_backward=True)
@@ -204,7 +214,7 @@ class ChainRunner:
 
     def measure_nograd(self, tracker, batch, precision):
         """Forward without grad (as inside a checkpointed segment): each part's peak and seconds."""
-        parts = _Parts(tracker, self.parts, self.parameters)
+        parts = _Parts(tracker, self.parts, self.parameters, batch)
         tracker.start_recording()
         try:
             with torch.no_grad():

@@ -51,8 +51,9 @@ class Plan:
     as a table; ``to_json()`` gives every number.
     """
 
-    def __init__(self, result, blocks, loss_fn, model, batch_size, device):
+    def __init__(self, result, blocks, loss_fn, model, batch_size, device, profile):
         self._result = result
+        self._profile = profile  # the measured costs (C++ WorkloadProfile) the plan was made from
         self._blocks = blocks
         self._loss_fn = loss_fn
         self._model = weakref.ref(model)
@@ -77,7 +78,8 @@ class Plan:
         self.block_names = [b.name for b in blocks]
 
     def to_dict(self):
-        """Every number of the plan, and the C++ planner's own JSON under ``"planner"``."""
+        """Every number of the plan, the C++ planner's own JSON under ``"planner"``, and the
+        measured costs it was made from under ``"profile"`` (the CLI's profile cache form)."""
         return {
             "budget_bytes": self.budget_bytes, "floor_bytes": self.floor_bytes, "batch": self.batch_size,
             "micro_batch": self.micro_batch, "accumulation": self.accumulation, "precision": self.precision,
@@ -88,6 +90,7 @@ class Plan:
             "plain_predicted_peak_bytes": self.plain_predicted_peak_bytes,
             "plain_predicted_step_seconds": self.plain_predicted_step_seconds, "notes": self.notes,
             "planner": json.loads(self._result["json"]),
+            "profile": json.loads(self._profile.to_json()),
         }
 
     def to_json(self):
@@ -272,4 +275,4 @@ def plan(model, optimizer, loss_fn, batch, budget, blocks=None, precisions=("fp3
         obs.close()
     if not result["feasible"]:
         raise BudgetError(budget_bytes, result["floor_bytes"], offload_floor if offload == "none" else None)
-    return Plan(result, found, loss_fn, model, samples, device)
+    return Plan(result, found, loss_fn, model, samples, device, profile)

@@ -86,9 +86,21 @@ def _block_moments(tracker, parts, offsets):
         m = _C.BlockMoments()
         m.forward = _moments(tracker, parts.fwd_events[i], fwd, parts.fwd_peak[i] - fwd)
         m.backward = _moments(tracker, parts.bwd_events[i], bwd, parts.bwd_peak[i] - bwd)
-        m.backward_accumulating = m.backward
         out.append(m)
     return out
+
+
+def _add_accumulating(tracker, costs, moments, offsets, plain, accumulating):
+    """Each part's backward with every gradient there before, added into (a step's later
+    micro-batches): its peak above the live bytes at its start, in the terms of the plain run's
+    backward offsets less the gradients of later parts (alive from the start of this run)."""
+    later_gradients = 0
+    for i in reversed(range(len(costs))):
+        offset = offsets[i][1] - plain.run_live0 - later_gradients + accumulating.run_live0
+        peak = accumulating.bwd_peak[i] - offset
+        costs[i].backward_peak_accumulating = max(0, peak)
+        moments[i].backward_accumulating = _moments(tracker, accumulating.bwd_events[i], offset, peak)
+        later_gradients += costs[i].param_bytes
 
 
 def _add_nograd(tracker, costs, moments, nograd):
@@ -128,10 +140,10 @@ def _block_costs(parts, kept, output_kept, parameters):
         c.cast_bytes = 0  # measured inside the parts' own bytes (casts made as the step makes them)
         c.recomputable = 0 < i < count - 1
         # In the schedule model's terms (schedule.h): the gradient arriving for the output is
-        # alive under the part's backward (and held to a segment's end), and the peak above it
-        # is the same whether gradients are there before or not (measured with them absent).
+        # alive under the part's backward (and held to a segment's end); the peak above it is
+        # measured here with the gradients absent (a step's first micro-batch), and with them
+        # there in _add_accumulating.
         c.keeps_own_output = True
-        c.backward_peak_accumulating = c.backward_peak
         c.backward_held_by_segment_bytes = c.output_bytes
         c.backward_held_all_bytes = c.output_bytes
         costs.append(c)
@@ -160,6 +172,8 @@ class Profiler:
         parts, kept, output_kept = self.runner.measure(self.tracker, part, precision)
         costs, offsets = _block_costs(parts, kept, output_kept, self.runner.parameters)
         moments = _block_moments(self.tracker, parts, offsets)  # before the next run's recording
+        accumulating = self.runner.measure(self.tracker, part, precision, accumulating=True)[0]
+        _add_accumulating(self.tracker, costs, moments, offsets, parts, accumulating)
         nograd = self.runner.measure_nograd(self.tracker, part, precision)
         _add_nograd(self.tracker, costs, moments, nograd)
         cp = _C.ChainProfile()

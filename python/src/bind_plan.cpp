@@ -163,7 +163,8 @@ void bind_costs(py::module_& m) {
       .def_readwrite("precisions", &WorkloadProfile::precisions)
       .def_readwrite("notes", &WorkloadProfile::notes)
       .def_readwrite("non_reentrant_checkpoint", &WorkloadProfile::non_reentrant_checkpoint)
-      .def("to_json", [](const WorkloadProfile& p) { return profile_json(p).dump(); });
+      .def("to_json", [](const WorkloadProfile& p) { return profile_json(p).dump(); })
+      .def_static("from_json", [](const std::string& text) { return profile_from_json(nlohmann::json::parse(text)); });
   py::class_<OptimizerCost>(m, "OptimizerCost")
       .def(py::init([](int64_t state_bytes, int64_t step_bytes, double seconds, const std::string& state) {
              OptimizerCost c;
@@ -197,8 +198,15 @@ void bind_planner(py::module_& m) {
       .def_readwrite("host_budget_bytes", &RequestOptions::host_budget_bytes);
   py::class_<Planner>(m, "Planner")
       .def(py::init([](const WorkloadProfile& profile, const RequestOptions& o) { return Planner(profile, make_request(o)); }))
-      .def("plan", [](const Planner& p, int64_t budget) { return plan_dict(p.plan(budget)); },
-           py::call_guard<py::gil_scoped_release>())
+      .def("plan",
+           [](const Planner& p, int64_t budget) {
+             Plan plan;
+             {
+               py::gil_scoped_release release;  // the search; the dict below needs the GIL
+               plan = p.plan(budget);
+             }
+             return plan_dict(plan);
+           })
       .def("evaluate",
            [](const Planner& p, int64_t micro_batch, const std::string& precision, const std::vector<std::pair<int, int>>& segments,
               int64_t budget, const std::string& state) {

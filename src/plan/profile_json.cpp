@@ -13,8 +13,10 @@ namespace {
 
 namespace jf = json_fields;
 
+// `recomputable` is written only where false (a Python model's parts around its blocks), so a
+// CLI model's profile reads as before.
 nlohmann::json block_cost_json(const BlockCost& b) {
-  return {{"forward_seconds", b.forward_seconds}, {"backward_seconds", b.backward_seconds},
+  nlohmann::json j{{"forward_seconds", b.forward_seconds}, {"backward_seconds", b.backward_seconds},
           {"output_bytes", b.output_bytes},       {"output_kept", b.output_kept},
           {"kept_bytes", b.kept_bytes},           {"forward_peak", b.forward_peak},
           {"forward_nograd_peak", b.forward_nograd_peak}, {"backward_peak", b.backward_peak},
@@ -25,6 +27,8 @@ nlohmann::json block_cost_json(const BlockCost& b) {
           {"param_bytes", b.param_bytes},         {"cast_bytes", b.cast_bytes},
           {"input_copy_bytes", b.input_copy_bytes}, {"input_copy_kept", b.input_copy_kept},
           {"keeps_own_output", b.keeps_own_output}, {"shared_gradient_bytes", b.shared_gradient_bytes}};
+  if (!b.recomputable) j["recomputable"] = false;
+  return j;
 }
 
 BlockCost block_cost_from_json(const nlohmann::json& j) {
@@ -47,6 +51,7 @@ BlockCost block_cost_from_json(const nlohmann::json& j) {
   b.input_copy_kept = jf::boolean(j, "input_copy_kept");
   b.keeps_own_output = jf::boolean(j, "keeps_own_output");
   b.shared_gradient_bytes = jf::integer(j, "shared_gradient_bytes");
+  b.recomputable = !j.contains("recomputable") || jf::boolean(j, "recomputable");
   return b;
 }
 
@@ -151,13 +156,15 @@ PrecisionProfile precision_profile_from_json(const nlohmann::json& j, size_t blo
 nlohmann::json profile_json(const WorkloadProfile& p) {
   nlohmann::json precisions = nlohmann::json::array();
   for (const auto& pp : p.precisions) precisions.push_back(precision_profile_json(pp));
-  return {{"batch", p.batch},
-          {"weight_bytes", p.weight_bytes},
-          {"batch_bytes", p.batch_bytes},
-          {"segment_overhead_bytes", p.segment_overhead_bytes},
-          {"blocks", p.precisions.empty() ? 0 : p.precisions.front().small.blocks.size()},
-          {"precisions", precisions},
-          {"notes", p.notes}};
+  nlohmann::json j{{"batch", p.batch},
+                   {"weight_bytes", p.weight_bytes},
+                   {"batch_bytes", p.batch_bytes},
+                   {"segment_overhead_bytes", p.segment_overhead_bytes},
+                   {"blocks", p.precisions.empty() ? 0 : p.precisions.front().small.blocks.size()},
+                   {"precisions", precisions},
+                   {"notes", p.notes}};
+  if (p.non_reentrant_checkpoint) j["non_reentrant_checkpoint"] = true;  // the Python package's (absent: the CLI's)
+  return j;
 }
 
 WorkloadProfile profile_from_json(const nlohmann::json& j) {
@@ -177,6 +184,7 @@ WorkloadProfile profile_from_json(const nlohmann::json& j) {
     if (!note.is_string()) jf::refuse("notes", note, "expected strings");
     p.notes.push_back(note.get<std::string>());
   }
+  p.non_reentrant_checkpoint = j.contains("non_reentrant_checkpoint") && jf::boolean(j, "non_reentrant_checkpoint");
   return p;
 }
 

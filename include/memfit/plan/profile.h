@@ -105,7 +105,7 @@ struct WorkloadProfile {
   int64_t segment_overhead_bytes = 0;  // what each checkpointed segment keeps besides its input (RNG state)
   std::vector<PrecisionProfile> precisions;  // the first is the baseline
   std::vector<std::string> notes;      // precisions dropped, and why
-  bool non_reentrant_checkpoint = false;  // ChainCosts::non_reentrant (the Python package's); not in the JSON
+  bool non_reentrant_checkpoint = false;  // ChainCosts::non_reentrant (the Python package's)
 };
 
 // The workload's costs for `batch` at each precision (the chain timed at the precision whose

@@ -48,7 +48,7 @@ struct BlockCost {
                                  // forward ends (plain blocks' copies then live on in the graph)
   bool recomputable = true;      // false: never in a checkpointed segment (a part of the step its
                                  // caller cannot run again alone, such as the code before the
-                                 // first block of a Python model); not in the profile's JSON
+                                 // first block of a Python model); in the JSON only when false
   int64_t input_copy_bytes = 0;  // a block that writes into its input (an in-place first op) runs on
                                  // a copy of an input kept by someone else: a checkpointed segment's
                                  // saved input (forward and recompute), the chain's input (block 0)
