@@ -67,6 +67,8 @@ struct Model {
     return std::max<int64_t>(0, b(k).kept_bytes - (b(k).output_kept ? b(k).output_bytes : 0));
   }
   int64_t all_grads() const { return grads_after[0] + (c.blocks.empty() ? 0 : c.blocks[0].param_bytes); }
+  // Gradients alive in forward: a later micro-batch runs its forward with every gradient there.
+  int64_t forward_grads() const { return c.gradients_present ? all_grads() : 0; }
 
   // Bytes of block k's output kept while the following unit is `next_checkpointed`.
   int64_t pending(int k, bool next_checkpointed) const {
@@ -98,7 +100,7 @@ struct Model {
     // In forward, the casts of the blocks ahead are already cached (the step makes them all
     // first); a block's own cast is part of its measured forward peak. Its backward's peak
     // counts the gradient arriving for its output, freed once used.
-    return std::max(base + casts_from[k + 1] + copy(u, k) + b(k).forward_peak,
+    return std::max(base + forward_grads() + casts_from[k + 1] + copy(u, k) + b(k).forward_peak,
                     base + prefetched + grads + own_output(k) + internal(k) + copy_kept(u, k) + backward(k) +
                         held_past_use(k, false, input_held(u, k)));
   }
@@ -112,7 +114,7 @@ struct Model {
     const int64_t delta = b(u.last).output_bytes;  // the gradient arriving from the next unit
     int64_t p = 0;
     for (int k = u.first; k <= u.last; ++k) {
-      p = std::max(p, base_forward + casts_from[k + 1] + copy(u, k) + b(k).forward_nograd_peak);
+      p = std::max(p, base_forward + forward_grads() + casts_from[k + 1] + copy(u, k) + b(k).forward_nograd_peak);
     }
     // Backward: the segment runs again keeping everything (and the random state it found, put
     // back after it), then its blocks' backward.
@@ -180,7 +182,7 @@ struct Model {
   }
   // End of forward: everything held, the last output's fate, and the loss's own bytes.
   int64_t end_of_forward(int64_t held_total, int last_block) const {
-    return c.fixed_bytes + held_total + pending(last_block, false) + c.loss_bytes;
+    return c.fixed_bytes + forward_grads() + held_total + pending(last_block, false) + c.loss_bytes;
   }
 };
 
