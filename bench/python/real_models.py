@@ -9,12 +9,16 @@ prediction by over 3% either way.
     bash bench/python/real_models.sh          # makes .venv-hf (transformers 4.40.2), runs this
 """
 import gc
+import os
 import sys
 
 import torch
 import torch.nn.functional as F
 
 import memfit
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from unnamed_models import applied_peak  # noqa: E402
 
 FRACTIONS = (0.6, 0.45, 0.3)
 TOLERANCE = 0.03
@@ -96,12 +100,7 @@ def row(label, make, fraction):
         plan = memfit.plan(model, opt, loss_fn, batch, budget, offload="auto", progress=False)
     except memfit.BudgetError as e:
         return f"| {label} | {fraction:.0%} | {plain_peak / mib:.1f} | {budget / mib:.1f} | none: {e} | | | | NO |"
-    step = memfit.apply(model, opt, plan)
-    try:
-        measured = steps_peak(step, batch, budget)
-    finally:
-        memfit.remove(model)
-    error = (plan.predicted_peak_bytes - measured) / measured
+    step, measured, error = applied_peak(model, opt, plan, batch, budget, peak_of=steps_peak)
     ok = "yes" if measured <= budget and abs(error) <= TOLERANCE and step.oom_splits == 0 else "NO"
     return (f"| {label} | {fraction:.0%} | {plain_peak / mib:.1f} | {budget / mib:.1f} | {describe(plan)} | "
             f"{plan.predicted_peak_bytes / mib:.2f} | {measured / mib:.2f} | {error:+.1%} | {ok} |")

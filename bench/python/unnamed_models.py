@@ -109,6 +109,17 @@ def steps_peak(step, batch, budget):
     return b.peak_bytes
 
 
+def applied_peak(model, opt, plan, batch, budget, peak_of=steps_peak):
+    """The plan applied to the model (taken off after): its Step, its steps' peak under the
+    budget (peak_of), and the prediction's error as a fraction of that peak."""
+    step = memfit.apply(model, opt, plan)
+    try:
+        measured = peak_of(step, batch, budget)
+    finally:
+        memfit.remove(model)
+    return step, measured, (plan.predicted_peak_bytes - measured) / measured
+
+
 def plain(model, opt, loss_fn, batch):
     def step(b):
         opt.zero_grad(set_to_none=True)
@@ -128,12 +139,7 @@ def row(label, make, fraction, precisions):
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
     budget = int(plain_peak * fraction)
     plan = memfit.plan(model, opt, loss_fn, batch, budget, precisions=precisions, progress=False)
-    step = memfit.apply(model, opt, plan)
-    try:
-        measured = steps_peak(step, batch, budget)
-    finally:
-        memfit.remove(model)
-    error = (plan.predicted_peak_bytes - measured) / measured
+    _, measured, error = applied_peak(model, opt, plan, batch, budget)
     mib = 1 << 20
     config = (f"{plan.micro_batch} x {plan.accumulation}, {plan.precision}, {len(plan.checkpointed)}/"
               f"{len(plan.block_names)} blocks recomputed, {plan.optimizer_state} state")
