@@ -13,8 +13,10 @@ namespace {
 
 namespace jf = json_fields;
 
-// `recomputable` is written only where false (a Python model's parts around its blocks), so a
-// CLI model's profile reads as before.
+// `recomputable` is written only where false (a Python model's parts around its blocks),
+// `forward_left_bytes` and `recompute_start_extra_bytes` only where not 0 and
+// `backward_peak_streamed` only where measured (by the Python front), so a CLI model's profile
+// reads as before.
 nlohmann::json block_cost_json(const BlockCost& b) {
   nlohmann::json j{{"forward_seconds", b.forward_seconds}, {"backward_seconds", b.backward_seconds},
           {"output_bytes", b.output_bytes},       {"output_kept", b.output_kept},
@@ -28,6 +30,9 @@ nlohmann::json block_cost_json(const BlockCost& b) {
           {"input_copy_bytes", b.input_copy_bytes}, {"input_copy_kept", b.input_copy_kept},
           {"keeps_own_output", b.keeps_own_output}, {"shared_gradient_bytes", b.shared_gradient_bytes}};
   if (!b.recomputable) j["recomputable"] = false;
+  if (b.forward_left_bytes != 0) j["forward_left_bytes"] = b.forward_left_bytes;
+  if (b.recompute_start_extra_bytes != 0) j["recompute_start_extra_bytes"] = b.recompute_start_extra_bytes;
+  if (b.backward_peak_streamed >= 0) j["backward_peak_streamed"] = b.backward_peak_streamed;
   return j;
 }
 
@@ -52,6 +57,10 @@ BlockCost block_cost_from_json(const nlohmann::json& j) {
   b.keeps_own_output = jf::boolean(j, "keeps_own_output");
   b.shared_gradient_bytes = jf::integer(j, "shared_gradient_bytes");
   b.recomputable = !j.contains("recomputable") || jf::boolean(j, "recomputable");
+  b.forward_left_bytes = j.contains("forward_left_bytes") ? jf::integer(j, "forward_left_bytes") : 0;
+  b.recompute_start_extra_bytes =
+      j.contains("recompute_start_extra_bytes") ? jf::integer(j, "recompute_start_extra_bytes") : 0;
+  b.backward_peak_streamed = j.contains("backward_peak_streamed") ? jf::integer(j, "backward_peak_streamed") : -1;
   return b;
 }
 

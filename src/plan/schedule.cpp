@@ -22,11 +22,16 @@ struct Model {
   const ChainCosts& c;
   std::vector<int64_t> grads_after;  // grads_after[k]: gradient bytes of blocks > k
   std::vector<int64_t> casts_from;   // casts_from[k]: autocast copies of blocks >= k (cached ahead)
+  std::vector<int64_t> left_before;  // left_before[k]: forward leftovers of blocks < k (never below 0)
 
   explicit Model(const ChainCosts& costs) : c(costs) {
     const int n = static_cast<int>(c.blocks.size());
     grads_after.assign(static_cast<size_t>(n) + 1, 0);
     casts_from.assign(static_cast<size_t>(n) + 1, 0);
+    left_before.assign(static_cast<size_t>(n) + 1, 0);
+    for (int k = 0; k < n; ++k) {
+      left_before[k + 1] = std::max<int64_t>(0, left_before[k] + c.blocks[k].forward_left_bytes);
+    }
     for (int k = n - 1; k >= 0; --k) {
       const bool carried = k + 1 < n && !c.gradients_streamed;
       grads_after[k] = grads_after[k + 1] + (carried ? c.blocks[k + 1].param_bytes : 0);
@@ -45,9 +50,11 @@ struct Model {
   // That copy where the block's graph keeps it for backward, not as its output.
   int64_t copy_kept(const Unit& u, int k) const { return b(k).input_copy_kept ? copy(u, k) : 0; }
   // Block k's backward above what is live when it starts: with every gradient already there it
-  // only adds into them.
+  // only adds into them; streamed, each gradient leaves once made.
   int64_t backward(int k) const {
-    return c.gradients_present ? b(k).shared_gradient_bytes + b(k).backward_peak_accumulating : b(k).backward_peak;
+    if (c.gradients_present) return b(k).shared_gradient_bytes + b(k).backward_peak_accumulating;
+    if (c.gradients_streamed && b(k).backward_peak_streamed >= 0) return b(k).backward_peak_streamed;
+    return b(k).backward_peak;
   }
   // Whether block k's input outlives the block's own use of it in unit u (the profile frees it
   // where the block's backward is done with it): the caller's batch (block 0 not copying it), an
@@ -69,6 +76,9 @@ struct Model {
   int64_t all_grads() const { return grads_after[0] + (c.blocks.empty() ? 0 : c.blocks[0].param_bytes); }
   // Gradients alive in forward: a later micro-batch runs its forward with every gradient there.
   int64_t forward_grads() const { return c.gradients_present ? all_grads() : 0; }
+  // Live in block k's forward besides its own peak: gradients already there, the weight casts
+  // cached ahead, what earlier blocks' forward left until forward ends.
+  int64_t in_forward(int k) const { return forward_grads() + casts_from[k + 1] + left_before[k]; }
 
   // Bytes of block k's output kept while the following unit is `next_checkpointed`.
   int64_t pending(int k, bool next_checkpointed) const {
@@ -100,7 +110,7 @@ struct Model {
     // In forward, the casts of the blocks ahead are already cached (the step makes them all
     // first); a block's own cast is part of its measured forward peak. Its backward's peak
     // counts the gradient arriving for its output, freed once used.
-    return std::max(base + forward_grads() + casts_from[k + 1] + copy(u, k) + b(k).forward_peak,
+    return std::max(base + in_forward(k) + copy(u, k) + b(k).forward_peak,
                     base + prefetched + grads + own_output(k) + internal(k) + copy_kept(u, k) + backward(k) +
                         held_past_use(k, false, input_held(u, k)));
   }
@@ -112,15 +122,20 @@ struct Model {
     const int64_t base = base_forward + prefetched;  // in backward (recompute included)
     const int64_t grads = c.gradients_present ? all_grads() : grads_after[u.last];
     const int64_t delta = b(u.last).output_bytes;  // the gradient arriving from the next unit
+    // Forward without grad: block k's peak is above its start, its input alive (the segment's
+    // own input is counted in `before`, the next blocks' are the outputs before them).
     int64_t p = 0;
     for (int k = u.first; k <= u.last; ++k) {
-      p = std::max(p, base_forward + forward_grads() + casts_from[k + 1] + copy(u, k) + b(k).forward_nograd_peak);
+      const int64_t input = k > u.first ? b(k - 1).output_bytes : 0;
+      p = std::max(p, base_forward + in_forward(k) + input + copy(u, k) + b(k).forward_nograd_peak);
     }
     // Backward: the segment runs again keeping everything (and the random state it found, put
-    // back after it), then its blocks' backward.
+    // back after it; the forward's leftovers are gone), then its blocks' backward.
+    const int64_t at_recompute = c.non_reentrant ? b(u.last).recompute_start_extra_bytes : 0;
     int64_t kept = 0;
     for (int k = u.first; k <= u.last; ++k) {
-      p = std::max(p, base + c.segment_overhead_bytes + grads + delta + kept + copy(u, k) + b(k).forward_peak);
+      p = std::max(p, base + c.segment_overhead_bytes + grads + delta + at_recompute + kept + copy(u, k) +
+                          b(k).forward_peak);
       kept += b(k).kept_bytes + copy_kept(u, k);
     }
     // Until the segment's backward returns it holds its recomputed output and the gradient that

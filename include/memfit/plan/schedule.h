@@ -30,18 +30,32 @@ struct BlockCost {
                                  // (includes output_bytes when output_kept)
   int64_t forward_peak = 0;      // above the live bytes at its start, during its forward (with grad)
   int64_t forward_nograd_peak = 0;  // the same without grad (inside a checkpointed segment)
+  int64_t forward_left_bytes = 0;   // what its forward leaves alive until forward ends, besides its
+                                    // kept bytes and output: a model's own leftovers (a Python
+                                    // model's locals, key/value caches returned with its output),
+                                    // alive under the later blocks' forward, gone by backward (a
+                                    // recompute makes and drops them); net, may be negative
   int64_t backward_peak = 0;     // above the live bytes at its backward's start, its parameters'
                                  // gradients made by it (a step's first micro-batch; incl. them);
                                  // counts the gradient arriving for its output; that gradient and
                                  // its input freed once the block's graph is done with them
   int64_t backward_peak_accumulating = 0;  // the same with the gradients there before, added into
                                            // (later micro-batches, kept gradients: temporaries only)
+  int64_t backward_peak_streamed = -1;  // the same with each gradient leaving once made (the
+                                        // optimizer offloaded: one parameter's on the device at a
+                                        // time); -1: not measured (then backward_peak, the safe side)
   int64_t backward_held_input_bytes = 0;       // what its backward's peak grows by when its input
                                                // outlives it (a segment's saved input; an output the
                                                // block before keeps in its own graph)
   int64_t backward_held_by_segment_bytes = 0;  // ... when it ends a checkpointed segment: the gradient
                                                // that arrived and the recomputed output are held
   int64_t backward_held_all_bytes = 0;         // ... both
+  int64_t recompute_start_extra_bytes = 0;  // live beyond the model's count when a non-reentrant
+                                            // checkpoint recomputes the segment it ends (at its
+                                            // backward's first read of a saved tensor): gradient
+                                            // parts of shared weights waiting to be summed, and
+                                            // gradients made before that read (a residual add
+                                            // casting the gradient of a bf16 branch)
   int64_t param_bytes = 0;       // its parameters (their gradients appear in its backward)
   int64_t cast_bytes = 0;        // autocast's low-precision copies of its weights (0 in fp32): a
                                  // step makes all of them before forward and caches them until
