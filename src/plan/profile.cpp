@@ -304,11 +304,27 @@ void fit_block_bytes(const BlockCost& lo, const BlockMoments* lo_moments, int64_
   f.kept_bytes = calibrated(fit(&BlockCost::kept_bytes), calibration);
   f.forward_peak = peak(&BlockCost::forward_peak, &BlockMoments::forward);
   f.forward_nograd_peak = peak(&BlockCost::forward_nograd_peak, &BlockMoments::forward_nograd);
+  f.forward_left_bytes = calibrated(fit(&BlockCost::forward_left_bytes), calibration);
   f.backward_peak = peak(&BlockCost::backward_peak, &BlockMoments::backward);
   f.backward_peak_accumulating = peak(&BlockCost::backward_peak_accumulating, &BlockMoments::backward_accumulating);
   f.backward_held_input_bytes = held(&BlockCost::backward_held_input_bytes, &BlockMoments::backward_input_held);
   f.backward_held_by_segment_bytes = held(&BlockCost::backward_held_by_segment_bytes, &BlockMoments::backward_segment_end);
   f.backward_held_all_bytes = held(&BlockCost::backward_held_all_bytes, &BlockMoments::backward_all);
+  f.recompute_start_extra_bytes = calibrated(fit(&BlockCost::recompute_start_extra_bytes), calibration);
+  const bool streamed = lo.backward_peak_streamed >= 0 && hi.backward_peak_streamed >= 0;
+  f.backward_peak_streamed = streamed ? calibrated(fit(&BlockCost::backward_peak_streamed), calibration) : -1;
+}
+
+// Each byte count of f, the larger of f's and g's (two fits of one block at one size).
+void keep_larger_bytes(BlockCost& f, const BlockCost& g) {
+  for (int64_t BlockCost::*field :
+       {&BlockCost::output_bytes, &BlockCost::input_copy_bytes, &BlockCost::kept_bytes, &BlockCost::forward_peak,
+        &BlockCost::forward_nograd_peak, &BlockCost::forward_left_bytes, &BlockCost::backward_peak,
+        &BlockCost::backward_peak_accumulating, &BlockCost::backward_held_input_bytes,
+        &BlockCost::backward_held_by_segment_bytes, &BlockCost::backward_held_all_bytes,
+        &BlockCost::recompute_start_extra_bytes, &BlockCost::backward_peak_streamed}) {
+    f.*field = std::max(f.*field, g.*field);
+  }
 }
 
 // Block i's moments in c, or null where not recorded.
@@ -324,8 +340,12 @@ ChainCosts block_costs_at(const PrecisionProfile& p, int64_t m) {
   // Below the smallest measured size a block is not assumed any faster: fixed per-call costs
   // dominate there (these seconds only divide the chain's time among blocks).
   const int64_t mt = std::max(m, m1);
-  // Bytes below small: on the line from one sample, where it was measured.
+  // Bytes below small: on the line from one sample, where it was measured; between one sample
+  // and small, the higher of that line and the one through small and large (a library may take
+  // another path for one sample: oneDNN's convolution backward makes one weight-sized buffer at
+  // one sample, two from two samples on).
   const bool below = m < m1 && p.one_sample.micro_batch > 0 && p.one_sample.micro_batch < m1;
+  const bool between = below && m > p.one_sample.micro_batch && m2 > m1;
   const ChainProfile& lo = below ? p.one_sample : p.small;
   const ChainProfile& hi = below ? p.small : p.large;
   for (size_t i = 0; i < p.small.blocks.size(); ++i) {
@@ -336,6 +356,11 @@ ChainCosts block_costs_at(const PrecisionProfile& p, int64_t m) {
     f.backward_seconds = fit_line(m1, s.backward_seconds, m2, l.backward_seconds, mt);
     fit_block_bytes(lo.blocks[i], moments_of(lo, i), lo.micro_batch, hi.blocks[i], moments_of(hi, i), hi.micro_batch, m,
                     p.calibration, f);
+    if (between) {
+      BlockCost above;
+      fit_block_bytes(s, moments_of(p.small, i), m1, l, moments_of(p.large, i), m2, m, p.calibration, above);
+      keep_larger_bytes(f, above);
+    }
     f.output_kept = l.output_kept;
     f.recomputable = l.recomputable;
     f.input_copy_kept = l.input_copy_kept;
