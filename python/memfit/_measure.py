@@ -69,6 +69,18 @@ class _Parts:
         self.order_error = None
         self.highest = 0  # the run's peak: the highest of the parts' peaks, in live bytes
         self._seen_grads = set()
+        # Live bytes at each block's backward's first read of a tensor its forward saved (where
+        # a non-reentrant checkpoint recomputes), recorded by saved_tensor_reads.
+        self.first_read_live = [None] * count
+
+    def saved_tensor_reads(self, part):
+        """Saved-tensor hooks for part `part`'s forward that note the live bytes at its
+        backward's first read (the tensors themselves pass through unchanged)."""
+        def read(packed):
+            if self.first_read_live[part] is None:
+                self.first_read_live[part] = self.tracker.current()
+            return packed
+        return torch.autograd.graph.saved_tensors_hooks(lambda t: t, read)
 
     def _peak(self):
         peak = self.tracker.peak()
@@ -154,21 +166,22 @@ class ChainRunner:
         self.parameters = [p for p in model.parameters() if p.requires_grad]
         self.parts = len(blocks) + 2
 
-    def _handler(self, parts, hook_backward):
+    def _handler(self, parts, hook_backward, watch_reads):
         last = len(self.blocks) - 1
 
         def handler(index, args, kwargs, run):
             where = _calls.main_input(args, kwargs)
             x = _calls.get_input(args, kwargs, where) if where else None
             parts.enter(index + 1, x, hook_backward)
-            out = run(args, kwargs)
+            with parts.saved_tensor_reads(index + 1) if watch_reads else contextlib.nullcontext():
+                out = run(args, kwargs)
             if index == last:
                 parts.enter(index + 2, _calls.main_output(out), hook_backward)
             return out
         return handler
 
-    def _forward(self, parts, batch, precision, hook_backward):
-        intercept = _calls.Intercept(self.blocks, self._handler(parts, hook_backward))
+    def _forward(self, parts, batch, precision, hook_backward, watch_reads=False):
+        intercept = _calls.Intercept(self.blocks, self._handler(parts, hook_backward, watch_reads))
         try:
             with phase("forward"), autocast(self.device, precision):
                 parts.begin_forward()
@@ -188,17 +201,34 @@ class ChainRunner:
         raise ValueError(f"blocks: expected each block to run once per forward, in order, but {names[wanted]} "
                          f"came after {names[done]}; pass blocks= modules that run one after another")
 
-    def measure(self, tracker, batch, precision, accumulating=False):
+    def _stream_gradients(self):
+        """Hooks that keep one parameter's gradient at a time, as the offloaded optimizer streams
+        them (runtime/optimizer_offload.h): each one released at the next one's hook."""
+        stored = []
+
+        def hook_for(p):
+            def hook(grad):
+                for q in stored:
+                    q.grad = None
+                stored[:] = [p]
+                return grad
+            return hook
+        return [p.register_hook(hook_for(p)) for p in self.parameters]
+
+    def measure(self, tracker, batch, precision, accumulating=False, streamed=False):
         """Forward + backward of one micro-batch: each part's measurements, and the run's peak
         above the bytes live at its start. accumulating: as a step's later micro-batches run,
-        every gradient there before (zeros, made first) and added into."""
+        every gradient there before (zeros, made first) and added into; its blocks' first
+        reads of saved tensors are watched (parts.first_read_live), its seconds not used.
+        streamed: each gradient released once the next is made (the optimizer offloaded)."""
         if accumulating:
             for p in self.parameters:
                 p.grad = torch.zeros_like(p)
+        hooks = self._stream_gradients() if streamed else []
         parts = _Parts(tracker, self.parts, self.parameters, batch)
         tracker.start_recording()
         try:
-            loss = self._forward(parts, batch, precision, hook_backward=True)
+            loss = self._forward(parts, batch, precision, hook_backward=True, watch_reads=accumulating)
             kept = tracker.live_bytes_by_tag(self.parts)
             output_kept = [w is not None and w.alive() for w in parts.watch]
             with phase("backward"):
@@ -208,6 +238,8 @@ class ChainRunner:
         finally:
             tracker.stop_recording()
             set_tag(-1)
+            for h in hooks:
+                h.remove()
             for p in self.parameters:
                 p.grad = None
         return parts, kept, output_kept

@@ -51,9 +51,10 @@ class Plan:
     as a table; ``to_json()`` gives every number.
     """
 
-    def __init__(self, result, blocks, loss_fn, model, batch_size, device, profile):
+    def __init__(self, result, blocks, loss_fn, model, batch_size, device, planner):
         self._result = result
-        self._profile = profile  # the measured costs (C++ WorkloadProfile) the plan was made from
+        self._planner = planner  # the C++ Planner that made it (its request, and the measured costs)
+        self._profile = planner.profile()  # the measured costs (C++ WorkloadProfile) the plan was made from
         self._blocks = blocks
         self._loss_fn = loss_fn
         self._model = weakref.ref(model)
@@ -96,6 +97,25 @@ class Plan:
     def to_json(self):
         """The plan as JSON text (``to_dict()``)."""
         return json.dumps(self.to_dict())
+
+    def recomputing(self, segments):
+        """This plan (micro-batch, precision, optimizer state) with exactly ``segments``
+        recomputed, its peak predicted by the same model: each segment a block name, or a
+        (first, last) pair of names for consecutive blocks recomputed together (one saved input,
+        one recompute); [] recomputes none. The budget is not checked (``predicted_peak_bytes``
+        says what it needs)."""
+        index = {name: i for i, name in enumerate(self.block_names)}
+        chain = []
+        for segment in segments:
+            first, last = (segment, segment) if isinstance(segment, str) else tuple(segment)
+            if first not in index or last not in index or index[last] < index[first]:
+                raise ValueError(f"segments {segment!r}: expected a block name or a (first, last) pair of names in "
+                                 f"order, from {self.block_names}")
+            chain.append((index[first] + 1, index[last] + 1))  # the chain's part 0 is the code before the blocks
+        chain.sort()
+        result = self._planner.evaluate(self.micro_batch, self.precision, chain, self.budget_bytes, self.optimizer_state,
+                                        self.optimizer_offloaded)
+        return Plan(result, self._blocks, self._loss_fn, self._model(), self.batch_size, self.device, self._planner)
 
     def __str__(self):
         recomputed = ", ".join(self.checkpointed) if self.checkpointed else "none"
@@ -256,7 +276,7 @@ def plan(model, optimizer, loss_fn, batch, budget, blocks=None, precisions=("fp3
         state.clear_gradients()
         install = _C.TrackerInstall(tracker)
         try:
-            profiler = Profiler(model, loss_fn, batch, found, device, tracker, obs)
+            profiler = Profiler(model, loss_fn, batch, found, device, tracker, obs, streamed=offload != "none")
             profile = profiler.profile(chosen)
             profile.notes = notes + list(profile.notes)
             costs = _optimizer_costs(optimizer, tracker, optimizer_state, with_8bit)
@@ -275,4 +295,4 @@ def plan(model, optimizer, loss_fn, batch, budget, blocks=None, precisions=("fp3
         obs.close()
     if not result["feasible"]:
         raise BudgetError(budget_bytes, result["floor_bytes"], offload_floor if offload == "none" else None)
-    return Plan(result, found, loss_fn, model, samples, device, profile)
+    return Plan(result, found, loss_fn, model, samples, device, planner)

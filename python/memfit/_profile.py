@@ -93,22 +93,39 @@ def _block_moments(tracker, parts, offsets):
 def _add_accumulating(tracker, costs, moments, offsets, plain, accumulating):
     """Each part's backward with every gradient there before, added into (a step's later
     micro-batches): its peak above the live bytes at its start, in the terms of the plain run's
-    backward offsets less the gradients of later parts (alive from the start of this run)."""
+    backward offsets less the gradients of later parts (alive from the start of this run); and
+    what is live beyond those terms at its first read of a saved tensor (where a non-reentrant
+    checkpoint recomputes the segment it ends)."""
     later_gradients = 0
     for i in reversed(range(len(costs))):
         offset = offsets[i][1] - plain.run_live0 - later_gradients + accumulating.run_live0
         peak = accumulating.bwd_peak[i] - offset
         costs[i].backward_peak_accumulating = max(0, peak)
         moments[i].backward_accumulating = _moments(tracker, accumulating.bwd_events[i], offset, peak)
+        read = accumulating.first_read_live[i]
+        if read is not None:  # (the offset counts the gradient arriving for its output)
+            costs[i].recompute_start_extra_bytes = max(0, read - offset)
+        later_gradients += costs[i].param_bytes
+
+
+def _add_streamed(costs, offsets, plain, streamed):
+    """Each part's backward with each gradient leaving once made (the optimizer offloaded): its
+    peak above the plain run's backward offsets less the gradients of later parts (gone)."""
+    later_gradients = 0
+    for i in reversed(range(len(costs))):
+        offset = offsets[i][1] - plain.run_live0 - later_gradients + streamed.run_live0
+        costs[i].backward_peak_streamed = max(0, streamed.bwd_peak[i] - offset)
         later_gradients += costs[i].param_bytes
 
 
 def _add_nograd(tracker, costs, moments, nograd):
-    """The forward without grad's peaks (above its run's start) and their moments."""
+    """The forward without grad's peaks, each above its part's start (its input alive: the
+    schedule counts the input, and what earlier parts left, beside it), and their moments."""
     for i, (c, m) in enumerate(zip(costs, moments)):
-        peak = nograd.fwd_peak[i] - nograd.run_live0
+        start = nograd.fwd_events[i][2]
+        peak = nograd.fwd_peak[i] - start
         c.forward_nograd_peak = max(0, peak)
-        m.forward_nograd = _moments(tracker, nograd.fwd_events[i], nograd.run_live0, peak)
+        m.forward_nograd = _moments(tracker, nograd.fwd_events[i], start, peak)
 
 
 def _block_costs(parts, kept, output_kept, parameters):
@@ -123,7 +140,12 @@ def _block_costs(parts, kept, output_kept, parameters):
     # view of the batch, or of an earlier part's tensor, is not this part's to keep).
     kept_output = [i == count - 1 or (output_kept[i] and kept[i] >= parts.out_bytes[i]) for i in range(count)]
     internal = [max(0, kept[i] - (parts.out_bytes[i] if kept_output[i] else 0)) for i in range(count)]
-    costs, offsets, held = [], [], 0
+    bases, held = [], 0  # each part's start as the model counts it: what the parts before keep
+    for i in range(count):
+        bases.append(parts.run_live0 + held)
+        held += internal[i] + (parts.out_bytes[i] if kept_output[i] else 0)
+    left = _left_before(parts, kept_output, bases)
+    costs, offsets = [], []
     for i in range(count):
         c = _C.BlockCost()
         c.forward_seconds = parts.fwd_seconds[i]
@@ -131,9 +153,9 @@ def _block_costs(parts, kept, output_kept, parameters):
         c.output_bytes = parts.out_bytes[i]
         c.output_kept = kept_output[i]
         c.kept_bytes = kept[i]
-        base = parts.run_live0 + held
+        c.forward_left_bytes = left[i + 1] - left[i] if i + 1 < count else 0
         later_gradients = sum(param[i + 1:])
-        offsets.append((base, base + later_gradients + c.output_bytes + internal[i]))
+        offsets.append((bases[i] + left[i], bases[i] + later_gradients + c.output_bytes + internal[i]))
         c.forward_peak = max(0, parts.fwd_peak[i] - offsets[-1][0])
         c.backward_peak = max(0, parts.bwd_peak[i] - offsets[-1][1])
         c.param_bytes = param[i]
@@ -147,15 +169,27 @@ def _block_costs(parts, kept, output_kept, parameters):
         c.backward_held_by_segment_bytes = c.output_bytes
         c.backward_held_all_bytes = c.output_bytes
         costs.append(c)
-        held += internal[i] + (c.output_bytes if c.output_kept else 0)
     return costs, offsets
+
+
+def _left_before(parts, kept_output, bases):
+    """What is live at each part's start beyond what the model counts there (the bytes the
+    parts before keep, the input where it is not kept): what their forward left until forward
+    ends (a Python model's locals such as the embeddings' sum, key/value caches returned with
+    its output). Gone by backward, so a part's forward peak is taken above them."""
+    left = []
+    for i in range(parts.count):
+        unkept_input = parts.out_bytes[i - 1] if i > 0 and not kept_output[i - 1] else 0
+        left.append(max(0, parts.fwd_events[i][2] - bases[i] - unkept_input))
+    return left
 
 
 class Profiler:
     """Measures the user's step (the tracker installed on this thread by the caller)."""
 
-    def __init__(self, model, loss_fn, batch, blocks, device, tracker, observer):
+    def __init__(self, model, loss_fn, batch, blocks, device, tracker, observer, streamed=False):
         self.model, self.batch, self.device = model, batch, device
+        self.streamed = streamed  # the optimizer may be offloaded: the streamed backward is measured too
         self.tracker, self.observer = tracker, observer
         self.samples = _batch.sample_count(batch)
         self.runner = ChainRunner(model, loss_fn, blocks, device)
@@ -176,6 +210,8 @@ class Profiler:
         _add_accumulating(self.tracker, costs, moments, offsets, parts, accumulating)
         nograd = self.runner.measure_nograd(self.tracker, part, precision)
         _add_nograd(self.tracker, costs, moments, nograd)
+        if self.streamed:
+            _add_streamed(costs, offsets, parts, self.runner.measure(self.tracker, part, precision, streamed=True)[0])
         cp = _C.ChainProfile()
         cp.micro_batch = m
         cp.blocks, cp.moments = costs, moments

@@ -107,14 +107,17 @@ void bind_costs(py::module_& m) {
       .def_readwrite("kept_bytes", &BlockCost::kept_bytes)
       .def_readwrite("forward_peak", &BlockCost::forward_peak)
       .def_readwrite("forward_nograd_peak", &BlockCost::forward_nograd_peak)
+      .def_readwrite("forward_left_bytes", &BlockCost::forward_left_bytes)
       .def_readwrite("backward_peak", &BlockCost::backward_peak)
       .def_readwrite("param_bytes", &BlockCost::param_bytes)
       .def_readwrite("cast_bytes", &BlockCost::cast_bytes)
       .def_readwrite("recomputable", &BlockCost::recomputable)
       .def_readwrite("keeps_own_output", &BlockCost::keeps_own_output)
       .def_readwrite("backward_peak_accumulating", &BlockCost::backward_peak_accumulating)
+      .def_readwrite("backward_peak_streamed", &BlockCost::backward_peak_streamed)
       .def_readwrite("backward_held_by_segment_bytes", &BlockCost::backward_held_by_segment_bytes)
-      .def_readwrite("backward_held_all_bytes", &BlockCost::backward_held_all_bytes);
+      .def_readwrite("backward_held_all_bytes", &BlockCost::backward_held_all_bytes)
+      .def_readwrite("recompute_start_extra_bytes", &BlockCost::recompute_start_extra_bytes);
   py::class_<PeakMoments>(m, "PeakMoments")
       .def(py::init<>())
       .def_readonly("pattern", &PeakMoments::pattern)
@@ -207,13 +210,20 @@ void bind_planner(py::module_& m) {
              }
              return plan_dict(plan);
            })
-      .def("evaluate",
-           [](const Planner& p, int64_t micro_batch, const std::string& precision, const std::vector<std::pair<int, int>>& segments,
-              int64_t budget, const std::string& state) {
-             CheckpointPlan checkpoint;
-             checkpoint.segments = segments;
-             return plan_dict(p.evaluate(micro_batch, parse_precision(precision), checkpoint, budget, parse_state_precision(state)));
-           })
+      .def(
+          "evaluate",
+          [](const Planner& p, int64_t micro_batch, const std::string& precision, const std::vector<std::pair<int, int>>& segments,
+             int64_t budget, const std::string& state, bool optimizer_offloaded) {
+            CheckpointPlan checkpoint;
+            checkpoint.segments = segments;
+            OffloadPlan offload;
+            offload.optimizer = optimizer_offloaded;
+            return plan_dict(p.evaluate(micro_batch, parse_precision(precision), checkpoint, budget,
+                                        parse_state_precision(state), 0, offload));
+          },
+          py::arg("micro_batch"), py::arg("precision"), py::arg("segments"), py::arg("budget"), py::arg("state"),
+          py::arg("optimizer_offloaded") = false)
+      .def("profile", &Planner::profile)
       .def("floor_bytes", &Planner::floor_bytes, py::call_guard<py::gil_scoped_release>())
       .def("profile_json", [](const Planner& p) { return profile_json(p.profile()).dump(); });
   m.def(
