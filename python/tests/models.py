@@ -17,13 +17,14 @@ class Attention(nn.Module):
         self.dropout = nn.Dropout(dropout)
 
     def forward(self, x, attention_mask):
+        """The output, and the keys and values (views of qkv's output: a cache that keeps it)."""
         b, t, d = x.shape
         q, k, v = self.qkv(x).split(d, dim=2)
         q, k, v = (z.view(b, t, self.heads, d // self.heads).transpose(1, 2) for z in (q, k, v))
         scores = q @ k.transpose(-2, -1) / math.sqrt(d // self.heads)
         scores = scores + attention_mask
         weights = self.dropout(scores.softmax(dim=-1))
-        return self.proj((weights @ v).transpose(1, 2).reshape(b, t, d))
+        return self.proj((weights @ v).transpose(1, 2).reshape(b, t, d)), (k, v)
 
 
 class GPTBlock(nn.Module):
@@ -34,21 +35,28 @@ class GPTBlock(nn.Module):
         self.ln_2 = nn.LayerNorm(d)
         self.mlp = nn.Sequential(nn.Linear(d, 4 * d), nn.GELU(), nn.Linear(4 * d, d), nn.Dropout(dropout))
 
-    def forward(self, hidden_states, attention_mask=None):
-        hidden_states = hidden_states + self.attn(self.ln_1(hidden_states), attention_mask)
-        return (hidden_states + self.mlp(self.ln_2(hidden_states)),)  # a tuple, as Hugging Face's blocks
+    def forward(self, hidden_states, attention_mask=None, use_cache=False):
+        a, present = self.attn(self.ln_1(hidden_states), attention_mask)
+        hidden_states = hidden_states + a
+        out = hidden_states + self.mlp(self.ln_2(hidden_states))
+        return (out, present) if use_cache else (out,)  # a tuple, as Hugging Face's blocks
 
 
 class GPT(nn.Module):
-    """Embeddings, blocks in a ModuleList called with an attention mask, a final norm and a head."""
+    """Embeddings, blocks in a ModuleList called with an attention mask, a final norm and a head.
+    hf_like: as Hugging Face's GPT-2 in training, each block's keys and values returned with the
+    output (alive until forward ends) and the head's weight tied to the embedding."""
 
-    def __init__(self, vocab=256, d=64, heads=4, layers=6, seq=64, dropout=0.1):
+    def __init__(self, vocab=256, d=64, heads=4, layers=6, seq=64, dropout=0.1, hf_like=False):
         super().__init__()
         self.wte = nn.Embedding(vocab, d)
         self.wpe = nn.Embedding(seq, d)
         self.h = nn.ModuleList(GPTBlock(d, heads, dropout) for _ in range(layers))
         self.ln_f = nn.LayerNorm(d)
         self.lm_head = nn.Linear(d, vocab, bias=False)
+        self.use_cache = hf_like
+        if hf_like:
+            self.lm_head.weight = self.wte.weight
 
     def forward(self, input_ids, attention_mask, labels=None):
         b, t = input_ids.shape
@@ -56,13 +64,16 @@ class GPT(nn.Module):
         causal = torch.ones(t, t, dtype=torch.bool, device=x.device).tril()
         allowed = causal[None, None] & attention_mask[:, None, None, :].bool()
         mask = torch.zeros(allowed.shape, dtype=x.dtype, device=x.device).masked_fill(~allowed, -1e4)
+        presents = []
         for block in self.h:
-            x = block(x, attention_mask=mask)[0]
+            out = block(x, attention_mask=mask, use_cache=self.use_cache)
+            x = out[0]
+            presents += out[1:]
         logits = self.lm_head(self.ln_f(x))
         loss = None
         if labels is not None:
             loss = F.cross_entropy(logits.reshape(-1, logits.size(-1)), labels.reshape(-1))
-        return {"loss": loss, "logits": logits}
+        return {"loss": loss, "logits": logits, "past_key_values": presents}
 
 
 def gpt_batch(batch=16, seq=64, vocab=256, seed=0):
@@ -132,10 +143,12 @@ def mlp_loss(model, batch):
 
 
 def make(name, seed=0):
-    """(model, batch, loss_fn) for 'gpt', 'cnn' or 'mlp', seeded."""
+    """(model, batch, loss_fn) for 'gpt', 'gpt_hf_like', 'cnn' or 'mlp', seeded."""
     torch.manual_seed(seed)
     if name == "gpt":
         return GPT(), gpt_batch(seed=seed), gpt_loss
+    if name == "gpt_hf_like":
+        return GPT(hf_like=True), gpt_batch(seed=seed), gpt_loss
     if name == "cnn":
         return CNN(), cnn_batch(seed=seed), cnn_loss
     if name == "mlp":

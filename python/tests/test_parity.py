@@ -89,7 +89,7 @@ def test_the_blocks_measure_the_same_bytes(fronts):
     # Python's parts: the code before the blocks, the 6 blocks, the loss; the CLI's: the 6 blocks,
     # the loss inside the last. Blocks 0-4 are measured alone by the CLI, in the chain by Python.
     assert len(py["precisions"][0]["large"]["blocks"]) == len(cli["precisions"][0]["large"]["blocks"]) + 2
-    fields = ("param_bytes", "output_bytes", "kept_bytes", "forward_peak", "output_kept")
+    fields = ("param_bytes", "output_bytes", "kept_bytes", "forward_peak", "forward_nograd_peak", "output_kept")
     for size in ("small", "large"):
         a, b = py["precisions"][0][size], cli["precisions"][0][size]
         assert a["micro_batch"] == b["micro_batch"]
