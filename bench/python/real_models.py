@@ -1,9 +1,9 @@
 """memfit.plan + memfit.apply on real models from their own libraries: Hugging Face's GPT-2 and
 BERT (transformers 4.40.2, built from small configs, random weights) and torchvision's ResNet-18
 and MobileNetV2 (Debian's python3-torchvision). For each, at 60%, 45% and 30% of the plain
-step's peak: the plan (offload="auto": the optimizer goes to the host only where the device
-alone cannot fit), the peak memfit.budget measured over three steps, and the prediction's
-error. Prints one markdown table; exits 1 if a step went over its budget or missed its
+step's peak: the plan (offload="auto": the optimizer goes to the host where the device alone
+cannot fit, or where that is predicted faster), the peak memfit.budget measured over three
+steps, and the prediction's error. Prints one markdown table; exits 1 if a step went over its budget or missed its
 prediction by over 3% either way.
 
     bash bench/python/real_models.sh          # makes .venv-hf (transformers 4.40.2), runs this
