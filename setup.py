@@ -52,6 +52,14 @@ def torch_has_cuda():
         os.path.join(os.path.dirname(torch.__file__), "lib", "libc10_cuda.so"))
 
 
+def standard_flags():
+    """The C++ standard: torch's extension builder adds the one its headers need where none is
+    given (C++17 in 2.x, C++20 from 2.12, whose headers refuse anything older); 1.x's adds C++14,
+    below the C++17 memfit is written in."""
+    major = int(torch.__version__.split(".")[0])
+    return ["-std=c++17"] if major < 2 else []
+
+
 def prebuilt_library():
     """MEMFIT_LIBRARY: a libmemfit.a CMake built against this torch (position-independent), or None."""
     path = os.environ.get("MEMFIT_LIBRARY")
@@ -89,8 +97,8 @@ def extension():
         libraries=libraries,
         # The fused 8-bit Adam rounds as LibTorch's kernels do (no FMA contraction); sqrt without
         # errno lets its loop vectorize (CMakeLists.txt sets the same for that file).
-        extra_compile_args=["-O2", "-g0", "-std=c++17", "-ffp-contract=off", "-fno-math-errno",
-                            "-Wno-unused-parameter", "-Wno-sign-compare"],
+        extra_compile_args=["-O2", "-g0", "-ffp-contract=off", "-fno-math-errno", "-Wno-unused-parameter",
+                            "-Wno-sign-compare"] + standard_flags(),
     )
 
 

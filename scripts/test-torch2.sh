@@ -5,8 +5,12 @@
 #
 #   bash scripts/test-torch2.sh
 #
-# Environment: TORCH2_VERSION (2.11.0: what the GPU machines run), TORCH2_VENV (.venv-torch2),
-# TORCH2_BUILD_DIR (build-torch2), TORCH2_JOBS (all cores).
+# Environment: TORCH2_VERSION (2.15.0: PyPI's newest release, pinned so that a new release
+# cannot break a landing by surprise; raised as new ones come out. 2.11.0: what the GPU
+# machines run. "newest": whatever PyPI has now, unpinned: scripts/test-newest-torch.sh),
+# TORCH2_VENV (.venv-torch2), TORCH2_BUILD_DIR (build-torch2), TORCH2_JOBS (all cores).
+#
+# The C++ standard follows the torch: its CMake config asks C++20 from 2.12 (CMakeLists.txt).
 #
 # The wheel's LibTorch is used as-is: -DCMAKE_PREFIX_PATH names the torch package folder (for
 # its lib/, before the system's /usr/lib where Debian's 1.13 lives) and its share/cmake (for
@@ -16,7 +20,7 @@
 # checks, the PyTorch twin) uses the same torch, from the virtual environment.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-version=${TORCH2_VERSION:-2.11.0}
+version=${TORCH2_VERSION:-2.15.0}
 venv=$(realpath -m "${TORCH2_VENV:-.venv-torch2}")
 build=${TORCH2_BUILD_DIR:-build-torch2}
 jobs=${TORCH2_JOBS:-$(nproc)}
@@ -39,8 +43,12 @@ if [ ! -x "$venv/bin/python" ]; then
   fi
 fi
 t0=$SECONDS
-"$venv/bin/pip" install -q --disable-pip-version-check "torch==$version" numpy
-echo "test-torch2: torch $version installed in $venv ($((SECONDS - t0)) s)"
+if [ "$version" = newest ]; then
+  "$venv/bin/pip" install -q --disable-pip-version-check --upgrade torch numpy
+else
+  "$venv/bin/pip" install -q --disable-pip-version-check "torch==$version" numpy
+fi
+echo "test-torch2: torch $("$venv/bin/python" -c 'import torch; print(torch.__version__)') installed in $venv ($((SECONDS - t0)) s)"
 torch_dir=$("$venv/bin/python" -c 'import os, torch; print(os.path.dirname(torch.__file__))')
 
 t0=$SECONDS
