@@ -44,6 +44,7 @@ BINDING_SOURCES = [
     "python/src/bind_plan.cpp",
     "python/src/bind_optim.cpp",
     "python/src/bind_step.cpp",
+    "python/src/bind_profile.cpp",
 ]
 
 
@@ -74,6 +75,7 @@ def extension():
     with_cuda = torch_has_cuda()
     prebuilt = prebuilt_library()
     defines = [("MEMFIT_WITH_CUDA", "1" if with_cuda else "0"), ("FMT_HEADER_ONLY", "1"),
+               ("PYBIND11_DETAILED_ERROR_MESSAGES", None),  # a type that does not cast says which
                ("MEMFIT_VERSION", '"0.1.0"')]
     libraries = ["crypto"] + (["c10_cuda", "torch_cuda"] if with_cuda else [])
     if prebuilt:

@@ -132,10 +132,11 @@ TEST(PlannerTest, BlockPeaksAtAnUnprofiledSizeEqualTheMeasuredOnes) {
   model.gpt.dropout = 0;
   Workload w = make_workload(model);
   const Batch data = w.data->train_batch(0, 8, 0);
+  ChainParts parts(w, data);
   PrecisionProfile p;
-  p.small = profile_chain(w, data, 2, Precision::kFP32, *tracker);
-  p.large = profile_chain(w, data, 4, Precision::kFP32, *tracker);
-  const ChainProfile measured = profile_chain(w, data, 8, Precision::kFP32, *tracker);
+  p.small = profile_parts_at(parts, 2, Precision::kFP32, *tracker);
+  p.large = profile_parts_at(parts, 4, Precision::kFP32, *tracker);
+  const ChainProfile measured = profile_parts_at(parts, 8, Precision::kFP32, *tracker);
   const ChainCosts fitted = block_costs_at(p, 8);  // (calibration 1: the blocks' own bytes)
   int secant_short = 0;
   for (size_t i = 0; i < measured.blocks.size(); ++i) {

@@ -45,7 +45,10 @@
 
 // plan/: profiles, the checkpoint-schedule DP, the planner (pure search), the plan job
 // (measure, then search), verification, per-rank state.
+#include "memfit/plan/cost_fit.h"
 #include "memfit/plan/job.h"
+#include "memfit/plan/optimizer_costs.h"
+#include "memfit/plan/partwise.h"
 #include "memfit/plan/plan.h"
 #include "memfit/plan/plan_request.h"
 #include "memfit/plan/plan_steps.h"

@@ -8,7 +8,7 @@ from memfit import _batch, _calls
 from memfit._budget import budget as budget_context
 from memfit._checkpoint import Checkpointing
 from memfit._loader import load
-from memfit._measure import autocast, scalar_loss
+from memfit._parts import autocast, scalar_loss
 from memfit._offload import OptimizerOffload
 from memfit._optim8bit import Adam8bit
 from memfit._progress import Observer, note

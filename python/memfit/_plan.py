@@ -1,14 +1,16 @@
 """memfit.plan: the fastest configuration of the user's step that fits a budget."""
 import gc
 import json
+import re
 import weakref
 
 import torch
 
 from memfit import _batch, _blocks, _budget, _storage
 from memfit._loader import load
-from memfit._profile import Profiler, has_8bit_state, measure_optimizer, optimizer_family
-from memfit._progress import observer as make_observer
+from memfit._optimizer_costs import has_8bit_state, measure_optimizer, optimizer_family
+from memfit._parts import ModuleParts
+from memfit._progress import note, observer as make_observer
 from memfit._sizes import format_bytes, parse_budget
 from memfit._state import ModelState
 
@@ -16,14 +18,16 @@ _C = load()
 
 _PRECISIONS = ("fp32", "bf16", "fp16")
 
-# The C++ planner's notes quote its options in backquotes; here they read as plan()'s arguments.
-_ARGUMENTS = (("`precision` fp32", "precisions=('fp32',)"), ("`optimizer.state` fp32", "optimizer_state='fp32'"))
+# The C++ core's notes quote its options in backquotes; here they read as plan()'s arguments.
+_ARGUMENTS = ((re.compile(r"`precision` (\w+)"), r"precisions=('\1',)"),
+              (re.compile(r"`optimizer\.state` (\w+)"), r"optimizer_state='\1'"),
+              (re.compile(r"`blocks`"), "blocks="))
 
 
-def _in_python_terms(note):
+def _in_python_terms(text):
     for cpp, python in _ARGUMENTS:
-        note = note.replace(cpp, python)
-    return note
+        text = cpp.sub(python, text)
+    return text
 
 
 class BudgetError(ValueError):
@@ -202,6 +206,14 @@ def _request(optimizer, samples, device, costs, resident, optimizer_state, micro
     return r
 
 
+def _profile_options(obs, streamed):
+    o = _C.ProfileOptions()
+    o.streamed = streamed  # the optimizer may be offloaded: the streamed backward is measured too
+    if hasattr(obs, "on_progress"):
+        o.progress = obs.on_progress
+    return o
+
+
 def _check_offload(offload):
     if offload not in ("none", "optimizer", "auto"):
         raise ValueError(f"offload {offload!r}: expected 'none', 'optimizer' or 'auto' (activations stay on the device "
@@ -276,8 +288,13 @@ def plan(model, optimizer, loss_fn, batch, budget, blocks=None, precisions=("fp3
         state.clear_gradients()
         install = _C.TrackerInstall(tracker)
         try:
-            profiler = Profiler(model, loss_fn, batch, found, device, tracker, obs, streamed=offload != "none")
-            profile = profiler.profile(chosen)
+            parts = ModuleParts(model, loss_fn, batch, found, device)
+            try:
+                profile = _C.profile_parts(parts, chosen, tracker, _profile_options(obs, streamed=offload != "none"))
+            except ValueError as e:  # the blocks' order, said in the core's terms
+                raise ValueError(_in_python_terms(str(e))) from None
+            for text in profile.notes:
+                note(obs, _in_python_terms(text))
             profile.notes = notes + list(profile.notes)
             costs = _optimizer_costs(optimizer, tracker, optimizer_state, with_8bit)
         finally:
@@ -285,7 +302,7 @@ def plan(model, optimizer, loss_fn, batch, budget, blocks=None, precisions=("fp3
         request = _request(optimizer, samples, device, costs, resident, optimizer_state, micro_batch, margin, offload,
                            host_budget_bytes)
         planner = _C.Planner(profile, request)
-        result = _C.plan_timing_as_needed(planner, budget_bytes, profiler.timer)
+        result = _C.plan_timing_as_needed(planner, budget_bytes, parts)
         if not result["feasible"] and offload == "none":
             offloaded = _request(optimizer, samples, device, costs, resident, optimizer_state, micro_batch, margin,
                                  "optimizer", host_budget_bytes)

@@ -5,6 +5,7 @@
 #include <pybind11/stl.h>
 
 #include <memory>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -132,6 +133,14 @@ void bind_optim(py::module_& m) {
         return measure_optimizer(spec, params, *tracker.tracker);
       },
       "Three real 8-bit Adam steps on `params` (zero gradients; put back after): state bytes, step bytes, seconds.");
+  // An optimizer as the planner knows it: torch.optim's class name -> its family (None: another).
+  m.def("optimizer_family", [](const std::string& class_name) -> std::optional<std::string> {
+    const auto family = optimizer_family_of_class(class_name);
+    return family ? std::optional<std::string>(optimizer_family_name(*family)) : std::nullopt;
+  });
+  m.def("has_8bit_state", [](const std::string& family, bool amsgrad, bool maximize) {
+    return has_8bit_state(parse_optimizer_family(family), amsgrad, maximize);
+  });
 }
 
 }  // namespace memfit::python

@@ -1,6 +1,5 @@
-// Bindings of plan/: the measured costs the Python package builds from the user's own module
-// (profile.h's structs), the Planner (the pure search) and plan_timing_as_needed, whose chain
-// timer is a Python function timing the user's model.
+// Bindings of plan/: the measured costs (profile.h's structs, which the profile of the user's
+// module returns: bind_profile.cpp), the Planner (the pure search) and the optimizer's costs.
 #include <torch/extension.h>
 #include <pybind11/functional.h>
 #include <pybind11/stl.h>
@@ -10,11 +9,11 @@
 
 #include "bindings.h"
 #include "memfit/errors.h"
+#include "memfit/plan/cost_fit.h"
 #include "memfit/plan/job.h"
 #include "memfit/plan/planner.h"
 #include "memfit/plan/profile.h"
 #include "memfit/plan/schedule.h"
-#include "memfit/plan/timing_rounds.h"
 #include "tracker.h"
 
 namespace py = pybind11;
@@ -63,6 +62,8 @@ PlanRequest make_request(const RequestOptions& o) {
   return r;
 }
 
+}  // namespace
+
 py::dict plan_dict(const Plan& p) {
   py::dict d;
   d["feasible"] = p.feasible;
@@ -85,17 +86,7 @@ py::dict plan_dict(const Plan& p) {
   return d;
 }
 
-// The planner's chain timer, as a Python function (precision, sizes, reference precision,
-// reference micro-batch, reference seconds) -> seconds per size.
-using PyChainTimer = std::function<std::vector<double>(const std::string&, const std::vector<int64_t>&,
-                                                       const std::string&, int64_t, double)>;
-
-ChainTimer chain_timer(const PyChainTimer& timer) {
-  return [timer](Precision precision, const std::vector<int64_t>& sizes, const TimingReference& reference) {
-    return timer(precision_name(precision), sizes, precision_name(reference.precision), reference.point.micro_batch,
-                 reference.point.seconds);
-  };
-}
+namespace {
 
 void bind_costs(py::module_& m) {
   py::class_<BlockCost>(m, "BlockCost")
@@ -144,7 +135,7 @@ void bind_costs(py::module_& m) {
       .def_property_readonly("precision", [](const PrecisionProfile& p) { return std::string(precision_name(p.precision)); })
       .def_readwrite("small", &PrecisionProfile::small)
       .def_readwrite("large", &PrecisionProfile::large)
-      .def_readwrite("one_sample", &PrecisionProfile::one_sample)
+      .def_readwrite("below", &PrecisionProfile::below)
       .def_readwrite("calibration", &PrecisionProfile::calibration)
       .def_property(
           "chain_seconds",
@@ -226,21 +217,6 @@ void bind_planner(py::module_& m) {
       .def("profile", &Planner::profile)
       .def("floor_bytes", &Planner::floor_bytes, py::call_guard<py::gil_scoped_release>())
       .def("profile_json", [](const Planner& p) { return profile_json(p.profile()).dump(); });
-  m.def(
-      "plan_timing_as_needed",
-      [](Planner& planner, int64_t budget, const PyChainTimer& timer) {
-        const ChainTimer time_chain = chain_timer(timer);
-        int timed = 0;
-        Plan plan;
-        {
-          py::gil_scoped_release release;  // the timer takes the GIL back while it runs the model
-          plan = plan_timing_as_needed(planner, budget, time_chain, &timed);
-        }
-        py::dict d = plan_dict(plan);
-        d["sizes_timed"] = timed;
-        return d;
-      },
-      py::arg("planner"), py::arg("budget"), py::arg("timer"));
   // The optimizer's costs by the C++ rule (profile.h): `step` steps the caller's optimizer (the
   // user's, a copy), with the GIL taken back while it runs.
   m.def(
@@ -251,15 +227,6 @@ void bind_planner(py::module_& m) {
         return measure_optimizer_steps(step, parse_state_precision(state), *tracker.tracker, tracker.counted);
       },
       py::arg("step"), py::arg("state"), py::arg("tracker"));
-  // The timing rule (timing_rounds.h): the same runs, rounds and medians as the C++ profile.
-  py::class_<TimingRounds>(m, "TimingRounds")
-      .def(py::init<size_t>())
-      .def("first_use", &TimingRounds::first_use)
-      .def("next_round", &TimingRounds::next_round)
-      .def("add", &TimingRounds::add)
-      .def("medians", &TimingRounds::medians);
-  m.def("profiled_sizes", &profiled_sizes);
-  m.def("on_reference_scale", &on_reference_scale);
   m.def("block_costs_at", [](const PrecisionProfile& p, int64_t micro_batch) { return block_costs_at(p, micro_batch).blocks; });
   m.def("modelled_plain_peak", [](const PrecisionProfile& p, int64_t micro_batch) {
     return evaluate_schedule(block_costs_at(p, micro_batch), {}).peak_bytes;

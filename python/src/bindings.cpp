@@ -10,27 +10,18 @@
 
 namespace py = pybind11;
 
-namespace {
-
-// torch.cuda.OutOfMemoryError where this torch has it, else RuntimeError ("out of memory" is
-// in every such message).
-PyObject* out_of_memory_type() {
-  static PyObject* type = [] {
-    try {
-      py::object t = py::module_::import("torch.cuda").attr("OutOfMemoryError");
-      return t.release().ptr();
-    } catch (const py::error_already_set&) {
-      return PyExc_RuntimeError;
-    }
-  }();
+PyObject* memfit::python::out_of_memory_type() {
+  static PyObject* type = py::object(py::module_::import("torch.cuda").attr("OutOfMemoryError")).release().ptr();
   return type;
 }
+
+namespace {
 
 void translate(std::exception_ptr p) {
   try {
     if (p) std::rethrow_exception(p);
   } catch (const c10::OutOfMemoryError& e) {
-    PyErr_SetString(out_of_memory_type(), e.what_without_backtrace());
+    PyErr_SetString(memfit::python::out_of_memory_type(), e.what_without_backtrace());
   } catch (const c10::Error& e) {
     PyErr_SetString(PyExc_RuntimeError, e.what_without_backtrace());
   } catch (const memfit::OptionError& e) {
@@ -44,10 +35,11 @@ PYBIND11_MODULE(_C, m) {
   m.doc() = "memfit's C++ core: exact allocator bytes, the budget, the planner, 8-bit optimizer state";
   m.attr("torch_version") = TORCH_VERSION;
   m.attr("with_cuda") = MEMFIT_WITH_CUDA != 0;
-  out_of_memory_type();
+  memfit::python::out_of_memory_type();
   py::register_exception_translator(&translate);
   memfit::python::bind_measure(m);
   memfit::python::bind_plan(m);
   memfit::python::bind_optim(m);
   memfit::python::bind_step(m);
+  memfit::python::bind_profile(m);
 }

@@ -3,11 +3,20 @@
 
 #include <pybind11/pybind11.h>
 
+#include "memfit/plan/plan.h"
+
 namespace memfit::python {
+
+// torch.cuda.OutOfMemoryError: what an allocation past the budget raises in Python.
+PyObject* out_of_memory_type();
+
+// A plan as the Python package reads it (bind_plan.cpp).
+pybind11::dict plan_dict(const Plan& plan);
 
 void bind_measure(pybind11::module_& m);
 void bind_plan(pybind11::module_& m);
 void bind_optim(pybind11::module_& m);
 void bind_step(pybind11::module_& m);
+void bind_profile(pybind11::module_& m);
 
 }  // namespace memfit::python

@@ -4,8 +4,7 @@ import torch
 
 from memfit import _blocks
 from memfit._loader import load
-from memfit._profile import Profiler
-from memfit._progress import observer
+from memfit._parts import ModuleParts
 from models import GPT, gpt_batch, gpt_loss
 
 _C = load()
@@ -20,14 +19,9 @@ def test_peaks_at_an_unprofiled_size_equal_the_measured_ones():
     model = GPT(d=128, heads=4, layers=1, seq=16, dropout=0.0)
     batch = gpt_batch(batch=8, seq=16)
     tracker = _C.Tracker("cpu")
-    install = _C.TrackerInstall(tracker)
-    try:
-        profiler = Profiler(model, gpt_loss, batch, _blocks.find_blocks(model), torch.device("cpu"), tracker,
-                            observer(False))
-        profiler.chain_profile("fp32", 8)  # the first use of each size and op
-        at = {m: profiler.chain_profile("fp32", m) for m in (2, 4, 8)}
-    finally:
-        install.close()
+    parts = ModuleParts(model, gpt_loss, batch, _blocks.find_blocks(model), torch.device("cpu"))
+    _C.profile_parts_at(parts, 8, "fp32", tracker)  # the first use of each size and op
+    at = {m: _C.profile_parts_at(parts, m, "fp32", tracker) for m in (2, 4, 8)}
     fitted = _C.PrecisionProfile("fp32")
     fitted.small, fitted.large = at[2], at[4]
     for part, (f, m) in enumerate(zip(_C.block_costs_at(fitted, 8), at[8].blocks)):

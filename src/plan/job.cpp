@@ -2,6 +2,7 @@
 
 #include <torch/torch.h>
 
+#include <algorithm>
 #include <cmath>
 
 #include "memfit/measure/cuda_budget.h"
@@ -46,10 +47,8 @@ PlanJob::PlanJob(Workload& workload, BatchSource batch, PlanJobOptions options, 
                  const CompleteRequest& complete)
     : workload_(workload), batch_(std::move(batch)), options_(std::move(options)), tracker_(tracker) {
   if (options_.optimized.empty()) options_.optimized = workload_.chain->parameters();
-  const RngState rng = capture_rng(options_.request.step.device);
   MeasuredCosts costs = measure_costs(workload_, batch_(), options_.precisions, options_.request.step.optimizer,
-                                      options_.optimized, tracker_, options_.cache, source_);
-  restore_rng(rng);
+                                      options_.optimized, tracker_, options_.cache, source_, profile_options());
   PlanRequest request = options_.request;
   request.optimizer = costs.optimizer.front();
   request.optimizer_alternatives.assign(costs.optimizer.begin() + 1, costs.optimizer.end());
@@ -106,15 +105,22 @@ RecordedSteps PlanJob::record_steps(const StepConfig& config, int steps) {
 ChainTimer PlanJob::timer() {
   if (!options_.time_micro_batches) return {};
   return [this](Precision precision, const std::vector<int64_t>& sizes, const TimingReference& reference) {
-    return time_plain_chain(workload_, batch_(), precision, sizes, reference, tracker_);
+    ChainParts parts(workload_, batch_());
+    return time_step_sizes(parts, precision, sizes, reference);
   };
+}
+
+ProfileOptions PlanJob::profile_options() const {
+  ProfileOptions o;
+  const auto& placements = options_.request.optimizer_offload;
+  o.streamed = std::find(placements.begin(), placements.end(), true) != placements.end();
+  return o;
 }
 
 bool PlanJob::add_precision_if_missing(Precision precision) {
   if (planner_->profiled(precision)) return false;
-  const RngState rng = capture_rng(options_.request.step.device);  // profiling draws dropout masks
-  planner_->add_precision(profile_precision(workload_, batch_(), precision, tracker_));
-  restore_rng(rng);
+  ChainParts parts(workload_, batch_());
+  planner_->add_precision(profile_precision(parts, precision, tracker_, profile_options()));
   return true;
 }
 

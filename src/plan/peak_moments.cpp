@@ -2,7 +2,7 @@
 
 #include <algorithm>
 
-#include "memfit/plan/profile.h"
+#include "memfit/plan/cost_fit.h"
 
 namespace memfit {
 

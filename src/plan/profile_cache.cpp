@@ -20,7 +20,7 @@ namespace fs = std::filesystem;
 namespace memfit {
 namespace {
 
-constexpr int kFormat = 5;  // of the files; another number is ignored as stale (1: three chain times; 2: no one-sample blocks; 3: one sample on the line from a batch of 4; 4: peaks without their moments)
+constexpr int kFormat = 7;  // of the files; another number is ignored as stale (1: three chain times; 2: no one-sample blocks; 3: one sample on the line from a batch of 4; 4: peaks without their moments; 5: blocks measured alone; 6: one sample the only size below small)
 
 // The running program's sha256, computed once per process ("" where it cannot be read).
 const std::string& program_sha256() {
@@ -177,11 +177,13 @@ void store_costs(CostsSource& source, const MeasuredCosts& costs) {
 
 MeasuredCosts measure_costs(Workload& w, const Batch& batch, const std::vector<Precision>& precisions,
                             const OptimizerSpec& optimizer, const std::vector<at::Tensor>& optimized,
-                            MemoryTracker& tracker, const ProfileCacheOptions& cache, CostsSource& source) {
-  const nlohmann::json key = profile_cache_key(w, batch, precisions, optimizer, optimized);
+                            MemoryTracker& tracker, const ProfileCacheOptions& cache, CostsSource& source,
+                            const ProfileOptions& options) {
+  nlohmann::json key = profile_cache_key(w, batch, precisions, optimizer, optimized);
+  key["streamed_backward"] = options.streamed;
   return cached_costs(cache, key, [&] {
     MeasuredCosts costs;
-    costs.profile = profile_workload(w, batch, precisions, tracker);
+    costs.profile = profile_workload(w, batch, precisions, tracker, options);
     // Copies: a resumed run's state exists already and would be counted twice.
     std::vector<at::Tensor> copies;
     for (const auto& p : optimized) copies.push_back(p.detach().clone().requires_grad_(true));

@@ -139,7 +139,11 @@ nlohmann::json precision_profile_json(const PrecisionProfile& p) {
                    {"large", chain_profile_json(p.large)},
                    {"calibration", p.calibration},
                    {"chain_seconds", times}};  // [[micro-batch, seconds], ...]
-  if (p.one_sample.micro_batch > 0) j["one_sample"] = chain_profile_json(p.one_sample);
+  if (!p.below.empty()) {
+    nlohmann::json below = nlohmann::json::array();
+    for (const auto& c : p.below) below.push_back(chain_profile_json(c));
+    j["below"] = below;  // absent: none measured
+  }
   return j;
 }
 
@@ -148,7 +152,14 @@ PrecisionProfile precision_profile_from_json(const nlohmann::json& j, size_t blo
   p.precision = parse_precision(jf::text(j, "precision"));
   p.small = chain_profile_from_json(jf::field(j, "small"), blocks);
   p.large = chain_profile_from_json(jf::field(j, "large"), blocks);
-  if (j.contains("one_sample")) p.one_sample = chain_profile_from_json(j["one_sample"], blocks);  // absent: not measured
+  if (j.contains("below")) {  // absent: none measured
+    int64_t previous = 0;
+    for (const auto& c : jf::array(j, "below")) {
+      p.below.push_back(chain_profile_from_json(c, blocks));
+      if (p.below.back().micro_batch <= previous) jf::refuse("below", c, "expected sizes in ascending order");
+      previous = p.below.back().micro_batch;
+    }
+  }
   p.calibration = jf::number(j, "calibration");
   int64_t previous = 0;
   for (const auto& t : jf::array(j, "chain_seconds")) {

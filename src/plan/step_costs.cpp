@@ -4,6 +4,8 @@
 #include <cmath>
 #include <limits>
 
+#include "memfit/plan/cost_fit.h"
+
 namespace memfit {
 namespace {
 

@@ -2,6 +2,8 @@
 
 #include <algorithm>
 
+#include "memfit/plan/cost_fit.h"
+
 namespace memfit {
 
 const PrecisionProfile& precision_profile(const WorkloadProfile& profile, Precision precision) {

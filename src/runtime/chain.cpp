@@ -233,6 +233,7 @@ at::Tensor Chain::run_through_runner(const at::Tensor& input) {
   at::Tensor x = input;
   for (int i = 0; i < size(); ++i) {
     const BlockFn run = [this, i](const at::Tensor& in) { return run_blocks(in, i, i); };
+    if (on_block_start_) on_block_start_(i, x);
     x = runner_(i, x, run);
   }
   return x;
@@ -243,6 +244,7 @@ at::Tensor Chain::run_plain(const at::Tensor& input, int first, int last, const 
   at::Tensor x = input;
   for (int k = first; k <= last; ++k) {
     std::shared_ptr<OffloadedActivations> saved;
+    if (on_block_start_) on_block_start_(k, x);
     if (!std::binary_search(offloaded.begin(), offloaded.end(), k)) {
       x = run_block(k, x);
     } else {

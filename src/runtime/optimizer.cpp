@@ -17,12 +17,13 @@ using namespace torch::optim;
 struct FamilyName {
   OptimizerFamily family;
   const char* name;
+  const char* class_name;  // torch.optim's and torch::optim's
 };
-constexpr FamilyName kFamilies[] = {{OptimizerFamily::kAdamW, "adamw"},
-                                    {OptimizerFamily::kAdam, "adam"},
-                                    {OptimizerFamily::kSGD, "sgd"},
-                                    {OptimizerFamily::kRMSprop, "rmsprop"},
-                                    {OptimizerFamily::kAdagrad, "adagrad"}};
+constexpr FamilyName kFamilies[] = {{OptimizerFamily::kAdamW, "adamw", "AdamW"},
+                                    {OptimizerFamily::kAdam, "adam", "Adam"},
+                                    {OptimizerFamily::kSGD, "sgd", "SGD"},
+                                    {OptimizerFamily::kRMSprop, "rmsprop", "RMSprop"},
+                                    {OptimizerFamily::kAdagrad, "adagrad", "Adagrad"}};
 
 constexpr std::pair<StatePrecision, const char*> kStates[] = {
     {StatePrecision::kFP32, "fp32"}, {StatePrecision::k8Bit, "8bit"}, {StatePrecision::kAuto, "auto"}};
@@ -79,6 +80,17 @@ const char* state_precision_name(StatePrecision state) {
 }
 
 bool has_8bit_state(OptimizerFamily family) { return uses_betas(family); }
+
+bool has_8bit_state(OptimizerFamily family, bool amsgrad, bool maximize) {
+  return has_8bit_state(family) && !amsgrad && !maximize;
+}
+
+std::optional<OptimizerFamily> optimizer_family_of_class(const std::string& class_name) {
+  for (const auto& f : kFamilies) {
+    if (class_name == f.class_name) return f.family;
+  }
+  return std::nullopt;
+}
 
 OptimizerFamily parse_optimizer_family(const std::string& text) {
   for (const auto& f : kFamilies) {

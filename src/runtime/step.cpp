@@ -23,17 +23,17 @@ std::vector<int64_t> grad_versions(const std::vector<at::Tensor>& params) {
 
 }  // namespace
 
+at::Tensor forward_loss(Workload& w, const Batch& part, const StepConfig& config, bool recompute_all) {
+  const CheckpointPlan checkpoint = recompute_all ? CheckpointPlan::all(w.chain->size()) : config.checkpoint;
+  PhaseGuard phase(Phase::kForward);
+  Autocast autocast(part.input.device().type(), config.precision);  // exits (and frees its cast cache) before backward
+  autocast.warm_cast_cache(autocast_cast_parameters(*w.chain));  // so its bytes are reported
+  at::Tensor out = w.chain->forward(part.input, checkpoint, recompute_all ? std::vector<int>{} : config.offload.activation_blocks);
+  return w.loss(out, part.target);
+}
+
 double forward_backward(Workload& w, const Batch& part, double weight, const StepOptions& o, bool recompute_all) {
-  const auto device = part.input.device().type();
-  const CheckpointPlan checkpoint = recompute_all ? CheckpointPlan::all(w.chain->size()) : o.config.checkpoint;
-  at::Tensor loss;
-  {
-    PhaseGuard phase(Phase::kForward);
-    Autocast autocast(device, o.config.precision);  // exits (and frees its cast cache) before backward
-    autocast.warm_cast_cache(autocast_cast_parameters(*w.chain));  // so its bytes are reported
-    at::Tensor out = w.chain->forward(part.input, checkpoint, recompute_all ? std::vector<int>{} : o.config.offload.activation_blocks);
-    loss = w.loss(out, part.target) * weight;
-  }
+  at::Tensor loss = forward_loss(w, part, o.config, recompute_all) * weight;
   const double value = loss.item<double>();  // logged by value: no graph outlives the step
   {
     PhaseGuard phase(Phase::kBackward);

@@ -98,6 +98,9 @@ class PlanJob {
 
  private:
   ChainTimer timer();
+  // What the profile measures besides the plain runs (a streamed backward where the optimizer may
+  // be offloaded).
+  ProfileOptions profile_options() const;
 
   Workload& workload_;
   BatchSource batch_;

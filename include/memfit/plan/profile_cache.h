@@ -66,9 +66,10 @@ MeasuredCosts cached_costs(const ProfileCacheOptions& cache, const nlohmann::jso
 void store_costs(CostsSource& source, const MeasuredCosts& costs);
 // The workload profiled at each precision and the optimizer's state precisions measured on
 // copies of `optimized` (the parameters this process steps; their own state is untouched), or
-// both read from the cache. `tracker` must be installed on this thread.
+// both read from the cache (keyed by `options` too). `tracker` must be installed on this thread.
 MeasuredCosts measure_costs(Workload& workload, const Batch& batch, const std::vector<Precision>& precisions,
                             const OptimizerSpec& optimizer, const std::vector<at::Tensor>& optimized,
-                            MemoryTracker& tracker, const ProfileCacheOptions& cache, CostsSource& source);
+                            MemoryTracker& tracker, const ProfileCacheOptions& cache, CostsSource& source,
+                            const ProfileOptions& options = {});
 
 }  // namespace memfit

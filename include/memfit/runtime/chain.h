@@ -110,6 +110,10 @@ class Chain : public torch::nn::Module {
   // Empty: none (the default).
   void set_block_runner(BlockRunner runner) { runner_ = std::move(runner); }
   const BlockRunner& block_runner() const { return runner_; }
+  // Called as each block of a run without checkpointing starts, with its input: how the
+  // profiler (plan/partwise.h) sees where the chain's parts begin. Empty: none (the default).
+  using BlockStart = std::function<void(int index, const at::Tensor& input)>;
+  void set_block_start(BlockStart on_start) { on_block_start_ = std::move(on_start); }
   // Runs blocks [first, last] without checkpointing. An error inside a block (out of memory
   // excepted, which stays what it is) comes out as a c10::Error of one line naming the block,
   // what ran and the cause: "block 2:relu (ReLU), forward: <cause>".
@@ -130,6 +134,7 @@ class Chain : public torch::nn::Module {
   std::vector<Block> blocks_;
   std::vector<InputWrites> input_writes_;  // by block, learned as blocks run
   BlockRunner runner_;
+  BlockStart on_block_start_;
 };
 
 }  // namespace memfit

@@ -39,8 +39,14 @@ enum class StatePrecision { kFP32, k8Bit, kAuto };
 // "fp32" | "8bit" | "auto"; throws OptionError("optimizer.state", ...) naming the value.
 StatePrecision parse_state_precision(const std::string& text);
 const char* state_precision_name(StatePrecision state);
-// Whether the family has an 8-bit state (Adam, AdamW).
+// Whether the family has an 8-bit state (Adam, AdamW); and with these options (the 8-bit state
+// keeps neither amsgrad's maximum nor maximize's sign).
 bool has_8bit_state(OptimizerFamily family);
+bool has_8bit_state(OptimizerFamily family, bool amsgrad, bool maximize);
+// The family of an optimizer class as torch.optim and torch::optim name it ("AdamW", "SGD", ...);
+// none for another class (a user's own optimizer: planned with its measured costs, as AdamW's
+// family, with no 8-bit state).
+std::optional<OptimizerFamily> optimizer_family_of_class(const std::string& class_name);
 
 struct OptimizerSpec {
   OptimizerFamily family = OptimizerFamily::kAdamW;

@@ -69,6 +69,11 @@ struct StepResult {
   int64_t smallest_micro_batch = 0; // the smallest that completed
 };
 
+// The loss of one micro-batch's forward as a step runs it (autocast at the config's precision,
+// its weight casts made first, its segments recomputed and blocks offloaded; every block
+// recomputed instead where recompute_all), in the forward phase.
+at::Tensor forward_loss(Workload& workload, const Batch& part, const StepConfig& config, bool recompute_all = false);
+
 // Forward + backward of one micro-batch: accumulates weight * loss gradients into .grad and
 // returns weight * loss as a number. Throws c10::OutOfMemoryError if memory runs out.
 double forward_backward(Workload& workload, const Batch& part, double weight, const StepOptions& options,

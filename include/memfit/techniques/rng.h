@@ -18,6 +18,19 @@ struct RngState {
 RngState capture_rng(c10::Device device);
 void restore_rng(const RngState& state);
 
+// Leaves the random states as they were at entry when the scope ends, whatever it drew (or
+// threw): measuring runs draw dropout masks the caller's stream must not see.
+class RngScope {
+ public:
+  explicit RngScope(c10::Device device) : state_(capture_rng(device)) {}
+  ~RngScope() { restore_rng(state_); }
+  RngScope(const RngScope&) = delete;
+  RngScope& operator=(const RngScope&) = delete;
+
+ private:
+  RngState state_;
+};
+
 // Puts `state` in place for a scope, then the states current at entry back.
 class RngStateGuard {
  public:

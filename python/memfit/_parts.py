@@ -1,0 +1,115 @@
+"""The user's step as a model memfit's C++ profiler runs part by part (plan/partwise.h).
+
+Part 0 is the model's code before the first block (embeddings, masks), parts 1..N are the
+blocks, part N+1 is the code after the last block and the loss. The profiler calls
+``forward(run, observer)``; the blocks' calls are seen through _calls.Intercept, which tells the
+observer where each part starts (and, where the profiler watches them, when backward first reads
+a tensor a block saved). Everything measured, and what it means, is the C++ core's.
+"""
+import contextlib
+
+import torch
+
+from memfit import _batch, _calls, _storage
+from memfit._checkpoint import Checkpointing
+from memfit._loader import load
+
+_C = load()
+
+
+def autocast(device, precision):
+    """torch.autocast for a precision name ("fp32": a context that does nothing)."""
+    if precision == "fp32":
+        return contextlib.nullcontext()
+    dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}[precision]
+    return torch.autocast(device_type=device.type, dtype=dtype)
+
+
+def scalar_loss(loss):
+    """The loss, checked: one number in a tensor; ValueError otherwise."""
+    if not isinstance(loss, torch.Tensor):
+        raise ValueError(f"loss_fn returned {type(loss).__name__}: expected a scalar tensor (the loss of the batch)")
+    if loss.numel() != 1:
+        raise ValueError(f"loss_fn returned a tensor of shape {list(loss.shape)}: expected a scalar (one number, "
+                         "e.g. the mean over the batch)")
+    if not loss.is_floating_point():
+        raise ValueError(f"loss_fn returned a {loss.dtype} tensor: expected a floating-point scalar")
+    return loss.reshape(())
+
+
+def _saved_reads(observer, part):
+    """Saved-tensor hooks for a block's forward that tell the observer when backward reads what
+    it saved (the tensors themselves pass through unchanged)."""
+    def read(packed):
+        observer.saved_tensor_read(part)
+        return packed
+    return torch.autograd.graph.saved_tensors_hooks(lambda t: t, read)
+
+
+class ModuleParts(_C.PartwiseModel):
+    """loss_fn(model, batch) with the model's blocks as its parts."""
+
+    def __init__(self, model, loss_fn, batch, blocks, device):
+        _C.PartwiseModel.__init__(self)
+        self.model, self.loss_fn, self.batch, self.blocks, self._device = model, loss_fn, batch, blocks, device
+        self._samples = _batch.sample_count(batch)
+        self._parameters = [p for p in model.parameters() if p.requires_grad]
+
+    def parts(self):
+        return len(self.blocks) + 2
+
+    def part_name(self, part):
+        if part == 0:
+            return "(code before the first block)"
+        return self.blocks[part - 1].name if part <= len(self.blocks) else "(code after the last block)"
+
+    def recomputable(self, part):
+        return 0 < part <= len(self.blocks)
+
+    def non_reentrant_checkpoint(self):
+        return True  # as _checkpoint.py recomputes
+
+    def samples(self):
+        return self._samples
+
+    def device(self):
+        return str(self._device)
+
+    def parameters(self):
+        return self._parameters
+
+    def weight_bytes(self):
+        return _storage.unique_bytes(self.model.parameters())
+
+    def batch_tensors(self):
+        return _batch.tensors(self.batch)
+
+    def forward(self, run, observer):
+        part = _batch.narrow(self.batch, 0, run.samples)
+        if observer is not None:
+            handler = self._observing(observer)
+        elif run.recompute_all:
+            handler = Checkpointing(self.blocks, [(i, i) for i in range(len(self.blocks))])
+        else:
+            handler = None
+        intercept = _calls.Intercept(self.blocks, handler) if handler is not None else None
+        try:
+            with autocast(self._device, run.precision):
+                return scalar_loss(self.loss_fn(self.model, part))
+        finally:
+            if intercept is not None:
+                intercept.remove()
+
+    def _observing(self, observer):
+        last = len(self.blocks) - 1
+        watch = observer.watches_saved_reads()
+
+        def handler(index, args, kwargs, run):
+            where = _calls.main_input(args, kwargs)
+            observer.enter(index + 1, _calls.get_input(args, kwargs, where) if where else None)
+            with _saved_reads(observer, index + 1) if watch else contextlib.nullcontext():
+                out = run(args, kwargs)
+            if index == last:
+                observer.enter(index + 2, _calls.main_output(out))
+            return out
+        return handler
