@@ -37,6 +37,22 @@ TEST(MemorySpaceTest, HostBytesAreCountedApartAndNeverRefused) {
   EXPECT_EQ(alloc.host_allocated(), host_before);
 }
 
+// Tensors made before a tracker, adopted by it: each counted in the space it was allocated in
+// (memfit.track adopts an offloaded optimizer's masters and state so).
+TEST(MemorySpaceTest, AdoptedHostTensorsCountAsTheHosts) {
+  test::use_memfit_allocator();
+  const at::Tensor on_device = torch::zeros({1024});
+  at::Tensor on_host;
+  {
+    HostSpaceGuard host;
+    on_host = torch::zeros({2048});
+  }
+  MemoryTracker tracker;
+  adopt_tensors(tracker, {on_device, on_host});
+  EXPECT_EQ(tracker.current(test::cpu_counted()), 4096);
+  EXPECT_EQ(tracker.current(MemoryDevice::kHost), 8192);
+}
+
 // The small GPT with a tracker installed on this thread, counting its weights and buffers.
 struct TrackedGpt {
   explicit TrackedGpt(uint64_t seed)
