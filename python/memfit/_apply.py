@@ -114,23 +114,47 @@ class Step:
 
     def __call__(self, batch):
         """Runs one optimizer step on `batch` under the budget; returns its loss (mean over the samples) as a float."""
-        with budget_context(self.budget, self.device):
+        self._check_applied()
+        with budget_context(self.budget, self.device), self._released_on_failure():
             return self._step(batch)
 
     def _step_recovering(self, batch, budget_bytes):
         """A step whose out-of-memory errors are recovered (the caller holds the budget)."""
         saved, self.budget = self.budget, budget_bytes
         try:
-            return self._step(batch)
+            with self._released_on_failure():
+                return self._step(batch)
         finally:
             self.budget = saved
+
+    def _check_applied(self):
+        if self._intercept is None:
+            raise RuntimeError("step: its plan was taken off the model by memfit.remove(model); expected the step of "
+                               "an applied plan (memfit.apply again)")
+
+    @contextlib.contextmanager
+    def _released_on_failure(self):
+        """A step that raises leaves nothing it made behind: its gradients (partial sums), the
+        device gradients an offload had still to release, a segment's recording; the error
+        reaches the caller as it was."""
+        try:
+            yield
+        except BaseException:
+            self.checkpointing.drop_unfinished()
+            if self.offload is not None:
+                self.offload.release_device_gradients()
+            for p in self._parameters + list(self._gradient_holders):
+                p.grad = None
+            raise
 
     def gradients(self, batch):
         """Forward and backward of the plan on `batch`, leaving the gradients (no optimizer step):
         to compare them with a plain step's, or to clip them (offloaded: on ``step.offload.masters``).
         Returns the loss."""
+        self._check_applied()
         self.optimizer.zero_grad(set_to_none=True)
-        return self._accumulate(batch)
+        with self._released_on_failure():
+            return self._accumulate(batch)
 
     def _step(self, batch):
         self.optimizer.zero_grad(set_to_none=True)
@@ -214,15 +238,20 @@ class Step:
         raise _OutOfMemory(message)  # raised here, outside the handler: the failed graph is gone
 
     def remove(self):
-        """Takes the plan's wrappers off the model (memfit.remove(model) does this)."""
-        if self._intercept is not None:
-            self._intercept.remove()
-            self._intercept = None
+        """Takes the plan's wrappers off the model (memfit.remove(model) does this). The step then
+        holds nothing of the model, its optimizer or its plan, and cannot run."""
+        if self._intercept is None:
+            return
+        self._intercept.remove()
+        self._intercept = None
         if _applied.get(self.model) is self:
             del _applied[self.model]
+        self.model = self.plan = self.loss_fn = self.optimizer = None
+        self.offload = self.checkpointing = self.scaler = None
+        self._parameters = self._gradient_holders = []
 
     def __repr__(self):
-        return f"memfit.Step({self.plan!r})"
+        return f"memfit.Step({self.plan!r})" if self.plan is not None else "memfit.Step(removed)"
 
 
 def _check_plan_fits_model(model, plan):

@@ -221,3 +221,6 @@ class Checkpointing:
             self.current = None
         return out
 
+    def drop_unfinished(self):
+        """Forgets a segment whose forward did not reach its last block (a step that failed)."""
+        self.current = None

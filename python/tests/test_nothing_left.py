@@ -1,6 +1,6 @@
-"""Nothing left behind: after a step that failed and memfit.remove(model), with the model, the
-optimizer and the step gone, the allocator holds the bytes it held before the model. A failed
-step's error reaches the caller."""
+"""Nothing left behind: after a step that failed and memfit.remove(model), the allocator holds the
+bytes it held before the plan, with the model and optimizer alive and with them gone, the step
+object still referenced (as a user's variable keeps it). A failed step's error reaches the caller."""
 import gc
 
 import pytest
@@ -60,7 +60,7 @@ FAILURES = {
 
 
 @pytest.mark.parametrize("name", sorted(FAILURES))
-def test_a_failed_step_leaves_no_byte_once_its_objects_are_gone(name):
+def test_a_failed_step_and_remove_leave_the_bytes_of_before_the_plan(name):
     install, error, text = FAILURES[name]
     gc.collect()
     before_model = memfit.allocated_bytes()
@@ -68,6 +68,7 @@ def test_a_failed_step_leaves_no_byte_once_its_objects_are_gone(name):
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
     armed = []
     uninstall = install(model, armed)
+    before = memfit.allocated_bytes()
     plan = memfit.plan(model, opt, loss_fn, batch, 1 << 40, precisions=("fp32",), optimizer_state="fp32",
                        micro_batch=8, progress=False).recomputing([SEGMENT])
     tiny = memfit.allocated_bytes() + (1 << 20) if install is fail_out_of_memory else None
@@ -77,7 +78,19 @@ def test_a_failed_step_leaves_no_byte_once_its_objects_are_gone(name):
         step(batch)
     memfit.remove(model)
     uninstall()
-    del model, opt, plan, batch, loss_fn, uninstall, step
+    assert memfit.allocated_bytes() == before, "the model and optimizer alive: only their own bytes"
+    assert all(p.grad is None for p in model.parameters()), "no partial sum of the failed step is left"
+    del model, opt, plan, batch, loss_fn, uninstall  # `step` is still referenced, as a user's variable keeps it
     gc.collect()
     assert memfit.allocated_bytes() == before_model, "the model gone: none of its bytes or the step's are held"
+
+
+def test_a_removed_step_says_so_when_called():
+    model, batch, loss_fn = make("mlp")
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    plan = memfit.plan(model, opt, loss_fn, batch, 1 << 40, precisions=("fp32",), progress=False)
+    step = memfit.apply(model, opt, plan)
+    assert memfit.remove(model) and not memfit.remove(model)
+    with pytest.raises(RuntimeError, match=r"^step: its plan was taken off the model by memfit.remove\(model\)"):
+        step(batch)
 
