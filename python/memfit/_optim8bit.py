@@ -98,6 +98,9 @@ class Adam8bit(torch.optim.Optimizer):
             for p in group["params"]:
                 state = self.state.get(p)
                 if state:
-                    tensors = {k: v for k, v in state.items() if isinstance(v, torch.Tensor) and k != "step"}
+                    # torch's load_state_dict casts each state tensor but the step to a floating parameter's
+                    # dtype: the codes (integers, exact there) are made uint8 again.
+                    tensors = {k: v.to(torch.uint8) if k.endswith("_codes") else v
+                               for k, v in state.items() if isinstance(v, torch.Tensor) and k != "step"}
                     core.set_state(p, int(state["step"]), tensors)
         self._mirror_state()
