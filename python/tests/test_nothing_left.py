@@ -1,13 +1,16 @@
-"""Nothing left behind: after a step that failed and memfit.remove(model), the allocator holds the
-bytes it held before the plan, with the model and optimizer alive and with them gone, the step
-object still referenced (as a user's variable keeps it). A failed step's error reaches the caller."""
+"""Nothing left behind: after a step that failed, or steps of any plan, and memfit.remove(model),
+the allocator holds the bytes it held before the plan (and the optimizer's state, as it held it
+then), with the model and optimizer alive and with them gone, the step object still referenced
+(as a user's variable keeps it). A failed step's error reaches the caller."""
 import gc
 
 import pytest
 import torch
 
 import memfit
+from memfit import _C
 from models import make
+from test_plan_apply import plain_step
 
 SEGMENT = ("h.1", "h.3")  # three blocks recomputed together: a failure can strike in the middle
 
@@ -94,3 +97,25 @@ def test_a_removed_step_says_so_when_called():
     with pytest.raises(RuntimeError, match=r"^step: its plan was taken off the model by memfit.remove\(model\)"):
         step(batch)
 
+
+@pytest.mark.parametrize("state,offload", [("fp32", "none"), ("8bit", "none"), ("fp32", "optimizer"),
+                                           ("8bit", "optimizer")])
+def test_remove_leaves_the_bytes_of_before_the_plan_with_the_optimizers_state(state, offload):
+    """The user's AdamW had stepped: its fp32 state is part of the bytes before the plan, and is
+    given back as it was kept (8-bit moments in fp32, offloaded ones on the device)."""
+    model, batch, loss_fn = make("mlp")
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    plain_step(model, opt, loss_fn, batch)
+    _C.make_dynamic_maps("cpu")  # the 8-bit maps: constants, made once for the process's life
+    gc.collect()
+    before = memfit.allocated_bytes()
+    plan = memfit.plan(model, opt, loss_fn, batch, 1 << 40, precisions=("fp32",), optimizer_state=state,
+                       micro_batch=512, offload=offload, progress=False)
+    assert (plan.optimizer_state, plan.optimizer_offloaded) == (state, offload == "optimizer")
+    step = memfit.apply(model, opt, plan)
+    for _ in range(2):
+        step(batch)
+    masters = [_C.StorageWatch(m) for m in step.offload.masters] if step.offload else []
+    memfit.remove(model)
+    assert memfit.allocated_bytes() == before
+    assert not any(w.alive() for w in masters), "the host masters are released"
