@@ -1,5 +1,5 @@
 // Offload: the host space counted apart from the budgeted device, the optimizer stepping on the
-// host bit-equal to the device's, and a plan below the device-only floor that trains.
+// host bit-equal to the device's and given back to it, and a plan below the device-only floor that trains.
 #include "test_util.h"
 
 #include <unistd.h>
@@ -35,6 +35,22 @@ TEST(MemorySpaceTest, HostBytesAreCountedApartAndNeverRefused) {
   host.reset();
   EXPECT_EQ(tracker->current(MemoryDevice::kHost), 0);
   EXPECT_EQ(alloc.host_allocated(), host_before);
+}
+
+// Tensors made before a tracker, adopted by it: each counted in the space it was allocated in
+// (memfit.track adopts an offloaded optimizer's masters and state so).
+TEST(MemorySpaceTest, AdoptedHostTensorsCountAsTheHosts) {
+  test::use_memfit_allocator();
+  const at::Tensor on_device = torch::zeros({1024});
+  at::Tensor on_host;
+  {
+    HostSpaceGuard host;
+    on_host = torch::zeros({2048});
+  }
+  MemoryTracker tracker;
+  adopt_tensors(tracker, {on_device, on_host});
+  EXPECT_EQ(tracker.current(test::cpu_counted()), 4096);
+  EXPECT_EQ(tracker.current(MemoryDevice::kHost), 8192);
 }
 
 // The small GPT with a tracker installed on this thread, counting its weights and buffers.
@@ -106,6 +122,51 @@ TEST(OptimizerOffloadTest, StepsOnTheHostBitEqualToTheDevice) {
   EXPECT_EQ(plain.device_live_after - offloaded.device_live_after, 2 * weights);  // AdamW's two moments
   EXPECT_EQ(offloaded.host_live_after, weights + 2 * weights);  // fp32 masters and the state
   EXPECT_GE(offloaded.host_peak, weights + weights + 2 * weights);  // and every gradient, summed there
+}
+
+// release(), the reverse of adopt(): the optimizer steps the device parameters again, its state
+// keyed by them and back in the device's bytes; with the offload gone (its hooks), a step on the
+// device is the step it would have been without the offload.
+TEST(OptimizerOffloadTest, ReleaseGivesTheOptimizerBackOnTheDevice) {
+  test::use_memfit_allocator();
+  torch::manual_seed(2);
+  torch::nn::Linear a(64, 32), b(64, 32);
+  for (size_t i = 0; i < a->parameters().size(); ++i) b->parameters()[i].detach().copy_(a->parameters()[i].detach());
+  torch::optim::AdamW mine(a->parameters(), torch::optim::AdamWOptions(1e-2));
+  torch::optim::AdamW reference(b->parameters(), torch::optim::AdamWOptions(1e-2));
+  const at::Tensor x = at::randn({16, 64});
+  const auto step = [&](torch::nn::Linear& net, torch::optim::Optimizer& optimizer) {
+    optimizer.zero_grad();
+    net->forward(x).square().mean().backward();
+    optimizer.step();
+  };
+  step(a, mine);
+  step(b, reference);
+  BudgetAllocator& alloc = BudgetAllocator::install();
+  const int64_t device_before = alloc.allocated(), host_before = alloc.host_allocated();
+  {
+    OptimizerOffload offload(a->parameters());
+    offload.adopt(mine);
+    EXPECT_EQ(device_before - alloc.allocated(), 2 * parameter_bytes(*a)) << "AdamW's two moments left the device";
+    offload.release(mine);
+    EXPECT_EQ(alloc.allocated(), device_before) << "and are back";
+    EXPECT_EQ(alloc.host_allocated() - host_before, parameter_bytes(*a)) << "the masters, until the offload goes";
+    ASSERT_EQ(mine.param_groups()[0].params().size(), a->parameters().size());
+    const auto adam_state = [](torch::optim::Optimizer& o, const at::Tensor& p) -> const torch::optim::AdamParamState& {
+      return static_cast<const torch::optim::AdamParamState&>(*o.state().at(param_state_key(p)));
+    };
+    for (size_t i = 0; i < a->parameters().size(); ++i) {
+      EXPECT_TRUE(mine.param_groups()[0].params()[i].is_same(a->parameters()[i]));
+      const auto& s = adam_state(mine, a->parameters()[i]);
+      const auto& r = adam_state(reference, b->parameters()[i]);
+      EXPECT_EQ(s.step(), r.step());
+      EXPECT_TRUE(s.exp_avg().equal(r.exp_avg()) && s.exp_avg_sq().equal(r.exp_avg_sq()));
+    }
+  }
+  EXPECT_EQ(alloc.host_allocated(), host_before);
+  step(a, mine);
+  step(b, reference);
+  for (size_t i = 0; i < a->parameters().size(); ++i) EXPECT_TRUE(a->parameters()[i].equal(b->parameters()[i])) << i;
 }
 
 // One forward + backward of the small GPT with the given blocks' activations offloaded: the

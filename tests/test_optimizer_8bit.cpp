@@ -1,7 +1,8 @@
 // Blockwise 8-bit Adam/AdamW (techniques/optimizer_8bit.h): the quantizer's error within its
 // map's bound, blocks of zeros and of one huge value, non-finite gradients never reaching the
 // state, parity with torch::optim::AdamW, a quarter of the bytes as the tracker counts them,
-// and a bit-exact save/load round trip. Also the optimizer value's 8-bit form.
+// and a bit-exact save/load round trip. Also the optimizer value's 8-bit form, and the state
+// handed back in fp32 to torch's AdamW.
 #include <sstream>
 
 #include "test_util.h"
@@ -238,6 +239,62 @@ TEST(Optimizer8BitTest, FusedCpuStepMatchesTheTensorOpStep) {
     EXPECT_TRUE(at::allclose(sa.exp_avg_absmax(), sb.exp_avg_absmax(), 1e-6, 0)) << what;
     EXPECT_TRUE(at::allclose(sa.exp_avg_sq_absmax(), sb.exp_avg_sq_absmax(), 1e-6, 0)) << what;
   }
+}
+
+// State carried into 8 bits and back (a plan's Adam8bit handed back to the user's AdamW): the
+// step count kept, the moments shaped as the parameter, each within its block's absmax times the
+// map's max_error of the moment carried in; a small tensor's fp32 moments as they were.
+TEST(Optimizer8BitTest, Fp32StateFromEightBitIsWithinTheMapsBoundOfTheStateCarriedIn) {
+  torch::manual_seed(3);
+  const at::Tensor param = at::zeros({3, kQuantBlockSize + 100});  // 3 full blocks and one of 300 values
+  const at::Tensor m = at::randn_like(param) * 1e-2, v = at::randn_like(param).square() * 1e-4;
+  const auto eight = adam8bit_state_from_fp32(7, m, v);
+  ASSERT_TRUE(eight->quantized());
+  const AdamFp32State back = fp32_state_from_adam8bit(*eight, param);
+  EXPECT_EQ(back.step, 7);
+  const std::tuple<at::Tensor, at::Tensor, at::Tensor, bool> moments[] = {
+      {back.exp_avg, m, eight->exp_avg_absmax(), true}, {back.exp_avg_sq, v, eight->exp_avg_sq_absmax(), false}};
+  for (const auto& [moment, original, absmax, is_signed] : moments) {
+    ASSERT_EQ(moment.sizes(), param.sizes());
+    ASSERT_EQ(moment.scalar_type(), at::kFloat);
+    for (double e : block_errors(original.reshape(-1), moment.reshape(-1), absmax)) {
+      EXPECT_LE(e, dynamic_map(is_signed).max_error() * (1 + 1e-5)) << (is_signed ? "exp_avg" : "exp_avg_sq");
+    }
+  }
+  const at::Tensor small = at::zeros({10, 10});
+  const AdamFp32State kept = fp32_state_from_adam8bit(*adam8bit_state_from_fp32(2, small + 1, small + 2), small);
+  EXPECT_EQ(kept.step, 2);
+  EXPECT_TRUE(kept.exp_avg.equal(small + 1) && kept.exp_avg_sq.equal(small + 2));
+}
+
+// What the state is given back for: torch's AdamW, stepping from it, makes the very step the
+// 8-bit optimizer would have made (both read the same dequantized moments, with the same math).
+TEST(Optimizer8BitTest, Fp32AdamWFromTheGivenBackStateStepsAsTheEightBitOneWould) {
+  torch::manual_seed(4);
+  at::Tensor w8 = at::randn({3, kQuantBlockSize + 100}).requires_grad_();
+  Adam8bit eight({w8}, Adam8bitOptions(1e-2).fused_cpu(false));  // the step that reads the moments as tensors
+  for (int s = 0; s < 3; ++s) {
+    w8.mutable_grad() = at::randn_like(w8);
+    eight.step();
+  }
+  const auto& state = static_cast<const Adam8bitParamState&>(*eight.state().at(param_state_key(w8)));
+  const AdamFp32State back = fp32_state_from_adam8bit(state, w8);
+  EXPECT_EQ(back.step, 3);
+  const at::Tensor read = dequantize_blockwise(state.exp_avg_codes(), state.exp_avg_absmax(), dynamic_map(true));
+  EXPECT_TRUE(back.exp_avg.reshape(-1).equal(read)) << "the moment as the 8-bit step reads it";
+  at::Tensor w32 = w8.detach().clone().requires_grad_();
+  torch::optim::AdamW fp32({w32}, torch::optim::AdamWOptions(1e-2));
+  auto given = std::make_unique<torch::optim::AdamParamState>();
+  given->step(back.step);
+  given->exp_avg(back.exp_avg.clone());
+  given->exp_avg_sq(back.exp_avg_sq.clone());
+  fp32.state()[param_state_key(w32)] = std::move(given);
+  const at::Tensor g = at::randn_like(w8);
+  w8.mutable_grad() = g.clone();
+  w32.mutable_grad() = g.clone();
+  eight.step();
+  fp32.step();
+  EXPECT_TRUE(w32.equal(w8)) << "max |diff| " << (w32 - w8).abs().max().item<double>();
 }
 
 // A small regression MLP trained by each optimizer on the same data (full batch).

@@ -60,7 +60,8 @@ class Step:
     ``state_dict``). Where the plan offloads the optimizer, the optimizer is moved onto fp32
     masters of its parameters on the host (``step.offload.masters``; its ``param_groups`` hold
     them): each gradient is streamed there as backward makes it, the step runs there, and the
-    masters are copied back into the model's weights.
+    masters are copied back into the model's weights. memfit.remove(model) gives the user's
+    optimizer its state back as torch keeps it, on the device.
 
     Each call runs under memfit.budget(``budget``): the plan's budget unless given. An
     out-of-memory error there is recovered by memfit's C++ policy (runtime/oom_recovery.h), as
@@ -80,6 +81,7 @@ class Step:
         self.observer = observer or Observer()
         self.oom_splits = 0
         self._parameters = [p for g in optimizer.param_groups for p in g["params"] if p.requires_grad]
+        self._users_optimizer = optimizer  # given its state back by remove()
         self.offload = self._offload(optimizer, plan)
         with _C.HostSpace() if self.offload else contextlib.nullcontext():  # an offloaded 8-bit state on the host
             self.optimizer = self._stepping_optimizer(optimizer, plan)
@@ -114,23 +116,47 @@ class Step:
 
     def __call__(self, batch):
         """Runs one optimizer step on `batch` under the budget; returns its loss (mean over the samples) as a float."""
-        with budget_context(self.budget, self.device):
+        self._check_applied()
+        with budget_context(self.budget, self.device), self._released_on_failure():
             return self._step(batch)
 
     def _step_recovering(self, batch, budget_bytes):
         """A step whose out-of-memory errors are recovered (the caller holds the budget)."""
         saved, self.budget = self.budget, budget_bytes
         try:
-            return self._step(batch)
+            with self._released_on_failure():
+                return self._step(batch)
         finally:
             self.budget = saved
+
+    def _check_applied(self):
+        if self._intercept is None:
+            raise RuntimeError("step: its plan was taken off the model by memfit.remove(model); expected the step of "
+                               "an applied plan (memfit.apply again)")
+
+    @contextlib.contextmanager
+    def _released_on_failure(self):
+        """A step that raises leaves nothing it made behind: its gradients (partial sums), the
+        device gradients an offload had still to release, a segment's recording; the error
+        reaches the caller as it was."""
+        try:
+            yield
+        except BaseException:
+            self.checkpointing.drop_unfinished()
+            if self.offload is not None:
+                self.offload.release_device_gradients()
+            for p in self._parameters + list(self._gradient_holders):
+                p.grad = None
+            raise
 
     def gradients(self, batch):
         """Forward and backward of the plan on `batch`, leaving the gradients (no optimizer step):
         to compare them with a plain step's, or to clip them (offloaded: on ``step.offload.masters``).
         Returns the loss."""
+        self._check_applied()
         self.optimizer.zero_grad(set_to_none=True)
-        return self._accumulate(batch)
+        with self._released_on_failure():
+            return self._accumulate(batch)
 
     def _step(self, batch):
         self.optimizer.zero_grad(set_to_none=True)
@@ -214,15 +240,32 @@ class Step:
         raise _OutOfMemory(message)  # raised here, outside the handler: the failed graph is gone
 
     def remove(self):
-        """Takes the plan's wrappers off the model (memfit.remove(model) does this)."""
-        if self._intercept is not None:
-            self._intercept.remove()
-            self._intercept = None
+        """Takes the plan off the model (memfit.remove(model) does this): its wrappers, and what the
+        plan took from the user's optimizer, given back as torch keeps it (see memfit.remove).
+        The step then holds nothing of the model, its optimizer or its plan, and cannot run."""
+        if self._intercept is None:
+            return
+        self._intercept.remove()
+        self._intercept = None
+        self._give_optimizer_back()
         if _applied.get(self.model) is self:
             del _applied[self.model]
+        self.model = self.plan = self.loss_fn = self.optimizer = self._users_optimizer = None
+        self.offload = self.checkpointing = self.scaler = None
+        self._parameters = self._gradient_holders = []
+
+    def _give_optimizer_back(self):
+        """8-bit moments back in fp32 (made in the host space while offloaded, where the 8-bit
+        state was), then the offloaded state back on the device, keyed by the model's parameters."""
+        users = self._users_optimizer
+        if self.optimizer is not users:
+            with _C.HostSpace() if self.offload else contextlib.nullcontext():
+                self.optimizer.give_state_to(users)
+        if self.offload is not None:
+            self.offload.give_back(users)
 
     def __repr__(self):
-        return f"memfit.Step({self.plan!r})"
+        return f"memfit.Step({self.plan!r})" if self.plan is not None else "memfit.Step(removed)"
 
 
 def _check_plan_fits_model(model, plan):
@@ -255,7 +298,12 @@ def apply(model, optimizer, plan, budget=None, progress=None):
 
 
 def remove(model):
-    """Undoes memfit.apply on the model: its blocks run as before. Returns whether a plan was applied."""
+    """Undoes memfit.apply on the model: its blocks run as before, and the user's optimizer has its
+    state back as torch keeps it, so training goes on as if memfit had never been there: from a
+    plan with 8-bit state, each parameter's step count and fp32 ``exp_avg``/``exp_avg_sq``
+    dequantized from the 8-bit codes; from an offloaded plan, its parameter groups holding the
+    model's parameters and its state on their device again. The step holds nothing after it.
+    Returns whether a plan was applied."""
     step = _applied.get(model)
     if step is None:
         return False

@@ -55,19 +55,53 @@ class _Handle:
         self.recording = recording
 
 
+class _Detached:
+    """A tensor a recording keeps for the recompute, detached from the graph: the recording is
+    owned by the handles in that graph, so a tensor of it kept here would make a cycle through
+    autograd's C++ nodes that Python's collector cannot see (a step failing mid-segment would
+    then leak the segment's graph for good). Attached again as a leaf requiring grad as it did."""
+
+    __slots__ = ("tensor", "requires_grad")
+
+    def __init__(self, tensor):
+        self.tensor, self.requires_grad = tensor.detach(), tensor.requires_grad
+
+    def attached(self):
+        return self.tensor.detach().requires_grad_(self.requires_grad)
+
+
+def _detach_tensors(value):
+    """`value` with its tensors (in tuples and lists too) as _Detached, for a recording to keep."""
+    if isinstance(value, torch.Tensor):
+        return _Detached(value)
+    if type(value) in (tuple, list):
+        return type(value)(_detach_tensors(v) for v in value)
+    return value
+
+
+def _attach_tensors(value):
+    """The reverse of _detach_tensors, for a replay."""
+    if isinstance(value, _Detached):
+        return value.attached()
+    if type(value) in (tuple, list):
+        return type(value)(_attach_tensors(v) for v in value)
+    return value
+
+
 class _Recording:
-    """One forward of a segment: what its recompute needs, and the tensors recomputed."""
+    """One forward of a segment: what its recompute needs, and the tensors recomputed. It keeps
+    no tensor of the graph its handles are saved in (_Detached)."""
 
     def __init__(self, first_input, device):
-        self.input = first_input
+        self.input = _Detached(first_input)
         self.device = device
         self.rng = _C.capture_rng(device)
         self.autocast = _autocast_state()
-        self.calls = []      # (run, args, kwargs, where, source, buffers)
+        self.calls = []      # (run, args, kwargs, where, source, buffers), tensors _Detached
         self.handles = []    # weak references to the handles, in the order autograd saved the tensors
         self.recomputed = None
         self.next_index = None
-        self.previous_output = None
+        self.previous_output = None  # a weak reference to the last block's main output, while the segment runs
 
     def pack(self, tensor):
         handle = _Handle(self)
@@ -121,9 +155,11 @@ class _Recording:
         x = None
         for run, args, kwargs, where, source, _ in self.calls:
             if source == "input":
-                x = self.input.detach().requires_grad_(self.input.requires_grad)
-            elif source != "chained":
-                x = source.detach().requires_grad_(source.requires_grad)
+                x = self.input.attached()
+            elif isinstance(source, _Detached):  # else "chained": the previous block's recomputed output
+                x = source.attached()
+            args = _attach_tensors(args)
+            kwargs = {k: _attach_tensors(v) for k, v in kwargs.items()}
             args, kwargs = _calls.with_input(args, kwargs, where, x)
             x = _calls.main_output(run(args, kwargs))
 
@@ -164,9 +200,11 @@ class Checkpointing:
         elif self.current is None or self.current.next_index != index:
             return run(args, kwargs)  # not called in the order recorded: run plainly
         else:
-            source = "chained" if x is self.current.previous_output else x
+            previous = self.current.previous_output
+            source = "chained" if previous is not None and previous() is x else _Detached(x)
         recording = self.current
         call_args, call_kwargs = _calls.with_input(args, kwargs, where, None)
+        call_args, call_kwargs = _detach_tensors(call_args), {k: _detach_tensors(v) for k, v in call_kwargs.items()}
         buffers = list(self.blocks[index].buffers())
         recording.calls.append((run, call_args, call_kwargs, where, source, buffers))
         recording.previous_output = None
@@ -177,7 +215,12 @@ class Checkpointing:
             out = run(args, kwargs)
         recording.next_index = index + 1
         if index < last:
-            recording.previous_output = _calls.main_output(out)
+            output = _calls.main_output(out)
+            recording.previous_output = weakref.ref(output) if output is not None else None
         else:
             self.current = None
         return out
+
+    def drop_unfinished(self):
+        """Forgets a segment whose forward did not reach its last block (a step that failed)."""
+        self.current = None

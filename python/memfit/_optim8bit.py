@@ -52,6 +52,23 @@ class Adam8bit(torch.optim.Optimizer):
         carried._mirror_state()
         return carried
 
+    def give_state_to(self, optimizer):
+        """The reverse of :meth:`from_optimizer` (memfit.remove does this): ``optimizer``, the
+        torch.optim.Adam/AdamW this one was made from, over the same parameters, gets each
+        parameter's state as torch keeps it: the step count, and both moments in fp32,
+        dequantized in C++ exactly as this optimizer's next step would read them. One parameter
+        at a time, the 8-bit state leaves this optimizer as it is given, so the two states never
+        coexist in full; this one is empty after. ``optimizer``'s hyperparameters stay its own."""
+        core = self._ensure_core()
+        for group in self.param_groups:
+            for p in group["params"]:
+                self.state.pop(p, None)
+                taken = core.take_state_as_fp32(p)
+                if taken is not None:
+                    step, exp_avg, exp_avg_sq = taken
+                    optimizer.state[p] = {"step": step, "exp_avg": exp_avg, "exp_avg_sq": exp_avg_sq}
+        _steps_as_torch_keeps_them(optimizer)
+
     @staticmethod
     def _group_options(group):
         return _C.Adam8bitGroupOptions(lr=float(group["lr"]), beta1=float(group["betas"][0]),
@@ -98,6 +115,19 @@ class Adam8bit(torch.optim.Optimizer):
             for p in group["params"]:
                 state = self.state.get(p)
                 if state:
-                    tensors = {k: v for k, v in state.items() if isinstance(v, torch.Tensor) and k != "step"}
+                    # torch's load_state_dict casts each state tensor but the step to a floating parameter's
+                    # dtype: the codes (integers, exact there) are made uint8 again.
+                    tensors = {k: v.to(torch.uint8) if k.endswith("_codes") else v
+                               for k, v in state.items() if isinstance(v, torch.Tensor) and k != "step"}
                     core.set_state(p, int(state["step"]), tensors)
         self._mirror_state()
+
+
+def _steps_as_torch_keeps_them(optimizer):
+    """Step counts given as numbers turned into what this torch's Adam/AdamW keeps (a tensor since
+    torch 1.12; its dtype, shape and device by version and by ``capturable``/``fused``), by torch's
+    own rule: the one load_state_dict applies, __setstate__. Empty entries go first (1.13's rule
+    reads the first entry's step)."""
+    for p in [p for p, state in optimizer.state.items() if not state]:
+        del optimizer.state[p]
+    optimizer.__setstate__({"state": optimizer.state, "param_groups": optimizer.param_groups})

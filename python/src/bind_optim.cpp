@@ -1,6 +1,7 @@
 // Bindings of techniques/optimizer_8bit.h: Adam/AdamW whose moments are kept blockwise in 8
 // bits, stepping the user's own parameters (python/memfit/_optim8bit.py wraps it as a
-// torch.optim.Optimizer), and its cost as the planner measures it.
+// torch.optim.Optimizer), and its cost as the planner measures it. Also where an offloaded
+// optimizer's state goes back to (runtime/optimizer_offload.h), for memfit.remove.
 #include <torch/extension.h>
 #include <pybind11/stl.h>
 
@@ -12,6 +13,7 @@
 #include "bindings.h"
 #include "memfit/plan/profile.h"
 #include "memfit/runtime/optimizer.h"
+#include "memfit/runtime/optimizer_offload.h"
 #include "memfit/techniques/optimizer_8bit.h"
 #include "tracker.h"
 
@@ -76,6 +78,15 @@ class Adam8bitHandle {
   void set_state_from_fp32(const at::Tensor& param, int64_t step, const at::Tensor& exp_avg, const at::Tensor& exp_avg_sq) {
     optimizer_->state()[param_state_key(param)] = adam8bit_state_from_fp32(step, exp_avg, exp_avg_sq);
   }
+  // The parameter's state as fp32 Adam/AdamW keeps it, (step, exp_avg, exp_avg_sq), taken out of
+  // this optimizer (fp32_state_from_adam8bit), or None: the 8-bit codes go as the fp32 moments come.
+  py::object take_state_as_fp32(const at::Tensor& param) {
+    auto it = optimizer_->state().find(param_state_key(param));
+    if (it == optimizer_->state().end()) return py::none();
+    const AdamFp32State s = fp32_state_from_adam8bit(static_cast<const Adam8bitParamState&>(*it->second), param);
+    optimizer_->state().erase(it);
+    return py::make_tuple(s.step, s.exp_avg, s.exp_avg_sq);
+  }
   // Puts a state read by state() back (a loaded state_dict).
   void set_state(const at::Tensor& param, int64_t step, const py::dict& tensors) {
     ParamStateRecord r;
@@ -107,12 +118,15 @@ void bind_optim(py::module_& m) {
       .def("state", &Adam8bitHandle::state)
       .def("set_state", &Adam8bitHandle::set_state)
       .def("set_state_from_fp32", &Adam8bitHandle::set_state_from_fp32)
+      .def("take_state_as_fp32", &Adam8bitHandle::take_state_as_fp32)
       .def_static("max_error", [](bool is_signed) { return dynamic_map(is_signed).max_error(); });
   m.def("make_dynamic_maps", [](const std::string& device) {
     dynamic_map(true, c10::Device(device));
     dynamic_map(false, c10::Device(device));
   }, "Makes the 8-bit state's maps on `device` (once per process; they are constants kept for its life).");
   m.def("dynamic_maps_bytes", &dynamic_maps_bytes);
+  m.def("state_tensor_to_device", &state_tensor_to_device, py::arg("host_state"), py::arg("device_parameter"),
+        "An offloaded optimizer's state tensor brought back where the optimizer keeps it for the device parameter.");
   m.def(
       "dequantize_8bit",
       [](const at::Tensor& codes, const at::Tensor& absmax, bool is_signed) {

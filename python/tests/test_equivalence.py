@@ -117,7 +117,7 @@ def test_8bit_state_is_at_most_0_27_of_fp32_and_round_trips():
     for p in model.parameters():
         for k, v in eight.state[p].items():
             w = again.state[p][k]
-            assert (torch.equal(v, w) if isinstance(v, torch.Tensor) else v == w), k
+            assert (torch.equal(v, w) and v.dtype == w.dtype if isinstance(v, torch.Tensor) else v == w), k
     with memfit.track(model=model, optimizer=eight) as t:
         for p in model.parameters():
             p.grad = torch.randn_like(p)

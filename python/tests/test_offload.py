@@ -1,5 +1,6 @@
 """The optimizer offloaded from Python (offload="optimizer" / "auto"): the same weights as a plain
-step, the device's bytes below what a device-only plan needs, the existing state moved off it."""
+step, the device's bytes below what a device-only plan needs, the existing state moved off it and,
+by memfit.remove, back."""
 import pytest
 import torch
 
@@ -107,6 +108,34 @@ def test_an_optimizers_existing_state_leaves_the_device():
         step(batch)
     finally:
         memfit.remove(model)
+
+
+def test_removing_an_offloaded_plan_gives_the_optimizer_back_and_it_steps_on_as_one_never_offloaded():
+    model, batch, loss_fn = make("mlp")
+    reference, _, _ = make("mlp")
+    reference.load_state_dict(model.state_dict())
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    ref_opt = torch.optim.AdamW(reference.parameters(), lr=1e-3)
+    samples = memfit._batch.sample_count(batch)
+    plan = memfit.plan(model, opt, loss_fn, batch, 1 << 40, precisions=("fp32",), optimizer_state="fp32",
+                       micro_batch=samples, offload="optimizer", progress=False)
+    step = memfit.apply(model, opt, plan)
+    for _ in range(2):
+        step(batch)
+        plain_step(reference, ref_opt, loss_fn, batch)
+    assert memfit.remove(model)
+    assert [[id(p) for p in g["params"]] for g in opt.param_groups] == [list(map(id, model.parameters()))]
+    for p, q in zip(model.parameters(), reference.parameters()):
+        mine, theirs = opt.state[p], ref_opt.state[q]
+        assert mine.keys() == theirs.keys()
+        for k, v in theirs.items():  # the step counts as torch keeps them, the moments where they were made
+            assert (mine[k].dtype, mine[k].shape, mine[k].device) == (v.dtype, v.shape, v.device), k
+            assert torch.equal(mine[k], v), k
+    for _ in range(2):  # no hook streams the gradients away any more: the plain steps agree bit for bit
+        plain_step(model, opt, loss_fn, batch)
+        plain_step(reference, ref_opt, loss_fn, batch)
+    for got, expected in zip(weights(model), weights(reference)):
+        assert torch.equal(got, expected)
 
 
 def test_a_bad_offload_is_one_value_error_naming_it():

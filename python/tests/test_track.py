@@ -99,6 +99,28 @@ def test_no_grad_keeps_no_activations():
     assert with_grad.peak_bytes - no_grad.peak_bytes >= 6 * 256 * 256 * 4
 
 
+def test_an_offloaded_optimizers_bytes_count_as_the_hosts():
+    """Around the steps of an offloaded plan, memfit.track counts the device as memfit.budget does:
+    the host masters and the state live in memfit's host space, not the device's."""
+    from models import make
+
+    model, batch, loss_fn = make("mlp")
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    plan = memfit.plan(model, opt, loss_fn, batch, 1 << 40, precisions=("fp32",), optimizer_state="fp32",
+                       micro_batch=512, offload="optimizer", progress=False)
+    step = memfit.apply(model, opt, plan)
+    try:
+        step(batch)  # the state exists now, on the host
+        # The device bytes the tracker does not know of: the batch, and whatever else this process holds.
+        unknown = memfit.allocated_bytes() - storage_bytes(list(model.parameters()))
+        with memfit.budget(1 << 40) as b, memfit.track(model=model, optimizer=opt) as t:
+            step(batch)
+    finally:
+        memfit.remove(model)
+    assert t.peak_bytes == b.peak_bytes - unknown
+    assert t.categories["optimizer_state"] == 0, "the state is the host's"
+
+
 def test_track_rejects_what_is_not_a_model():
     with pytest.raises(ValueError, match="model"):
         memfit.track(model=3)

@@ -1,5 +1,7 @@
 #include "memfit/measure/breakdown.h"
 
+#include "memfit/measure/budget_allocator.h"
+
 
 #include <algorithm>
 #include <unordered_map>
@@ -193,7 +195,9 @@ KnownStorage known_storage(const std::vector<at::Tensor>& parameters, const std:
 void adopt_tensors(MemoryTracker& tracker, const std::vector<at::Tensor>& tensors) {
   for (const auto& t : tensors) {
     if (!t.defined() || !t.has_storage()) continue;
-    const MemoryDevice device = memory_device_of(t.device());
+    // Offloaded bytes (masters, state) count as the host's, as their allocation was counted.
+    const bool host = t.is_cpu() && BudgetAllocator::in_host_pool(t.storage().data_ptr());
+    const MemoryDevice device = host ? MemoryDevice::kHost : memory_device_of(t.device());
     tracker.adopt(t.storage().data(), static_cast<int64_t>(t.storage().nbytes()), device);
   }
 }

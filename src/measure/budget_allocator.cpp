@@ -99,6 +99,11 @@ void BudgetAllocator::Delete(void* data) {
   c10::free_cpu(base);
 }
 
+bool BudgetAllocator::in_host_pool(const c10::DataPtr& data) {
+  if (data.get() == nullptr || data.get_deleter() != &Delete) return false;
+  return (static_cast<const char*>(data.get()) - kHeader)[kHostFlagOffset] != 0;
+}
+
 BudgetGuard::BudgetGuard(int64_t bytes) {
   auto& alloc = BudgetAllocator::install();
   previous_ = alloc.budget();

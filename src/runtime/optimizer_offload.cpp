@@ -88,6 +88,19 @@ void OptimizerOffload::adopt(torch::optim::Optimizer& optimizer) const {
   swap_group_parameters(optimizer, device_, host_);
 }
 
+void OptimizerOffload::release(torch::optim::Optimizer& optimizer) const {
+  at::NoGradGuard no_grad;
+  for (size_t i = 0; i < device_.size(); ++i) {
+    auto it = optimizer.state().find(param_state_key(host_[i]));
+    if (it == optimizer.state().end()) continue;
+    for (at::Tensor t : read_param_state(*it->second).tensors) {
+      if (t.defined()) t.set_(state_tensor_to_device(t, device_[i]));
+    }
+    rekey(optimizer, host_[i], device_[i]);
+  }
+  swap_group_parameters(optimizer, host_, device_);
+}
+
 void OptimizerOffload::step(const std::function<void()>& step) {
   {
     HostSpaceGuard host;  // the step's temporaries, and state made on its first step
@@ -104,6 +117,11 @@ OptimizerOffload::DeviceKeys::DeviceKeys(const OptimizerOffload& offload, torch:
 
 OptimizerOffload::DeviceKeys::~DeviceKeys() {
   for (size_t i = 0; i < offload_.device_.size(); ++i) rekey(optimizer_, offload_.device_[i], offload_.host_[i]);
+}
+
+at::Tensor state_tensor_to_device(const at::Tensor& host_state, const at::Tensor& device_parameter) {
+  const bool moment = host_state.sizes() == device_parameter.sizes();
+  return copy_to_device(host_state, moment ? device_parameter.device() : c10::Device(c10::kCPU));
 }
 
 }  // namespace memfit

@@ -231,6 +231,17 @@ std::unique_ptr<Adam8bitParamState> adam8bit_state_from_fp32(int64_t step, const
   return s;
 }
 
+AdamFp32State fp32_state_from_adam8bit(const Adam8bitParamState& state, const at::Tensor& param) {
+  if (!state.quantized()) return {state.step(), state.exp_avg(), state.exp_avg_sq()};
+  TORCH_CHECK(state.exp_avg_codes().numel() == param.numel(), "memfit::fp32_state_from_adam8bit: an 8-bit state of ",
+              state.exp_avg_codes().numel(), " values for a parameter of ", param.numel());
+  const auto moment = [&](const at::Tensor& codes, const at::Tensor& absmax, bool is_signed) {
+    return dequantize_blockwise(codes, absmax, dynamic_map(is_signed, codes.device())).view(param.sizes());
+  };
+  return {state.step(), moment(state.exp_avg_codes(), state.exp_avg_absmax(), true),
+          moment(state.exp_avg_sq_codes(), state.exp_avg_sq_absmax(), false)};
+}
+
 double DynamicMap::max_error() const {
   const at::Tensor v = values.to(c10::kCPU, at::kDouble);
   const auto a = v.accessor<double, 1>();

@@ -51,7 +51,8 @@ nlohmann::json categories_json(const Categories& categories);
 KnownStorage known_storage(const std::vector<at::Tensor>& parameters, const std::vector<at::Tensor>& optimizer_state,
                            const std::vector<at::Tensor>& buffers = {});
 
-// Counts the storage of tensors made before `tracker` was installed (a caller's model) as live.
+// Counts the storage of tensors made before `tracker` was installed (a caller's model) as live,
+// on the device they were counted on: the host pool's (offloaded) as MemoryDevice::kHost.
 void adopt_tensors(MemoryTracker& tracker, const std::vector<at::Tensor>& tensors);
 
 // Classifies what is alive now (no recording needed): activations cannot be told apart here,

@@ -49,6 +49,8 @@ class BudgetAllocator final : public c10::Allocator {
   // The host pool (offloaded bytes): live and peak.
   int64_t host_allocated() const { return host_allocated_.load(); }
   int64_t host_peak() const { return host_peak_.load(); }
+  // Whether `data` is memory of this allocator's host pool (made under a HostSpaceGuard).
+  static bool in_host_pool(const c10::DataPtr& data);
 
   // Fault injection for tests and demos: the n-th allocation from now (1 = the next one)
   // fails as if over budget. 0 disarms.

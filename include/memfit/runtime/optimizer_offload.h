@@ -43,6 +43,9 @@ class OptimizerOffload {
   // An optimizer built over the device parameters (its state, if any, keyed by them) steps the
   // masters from now on: its parameter groups and state moved to the host.
   void adopt(torch::optim::Optimizer& optimizer) const;
+  // The reverse of adopt: the optimizer steps the device parameters again, its state keyed by
+  // them and brought back (state_tensor_to_device). The hooks stay until this is destroyed.
+  void release(torch::optim::Optimizer& optimizer) const;
   // After each backward: the device gradients autograd still holds are released.
   void release_device_gradients();
   // Makes `options` run with this offload: gradient sums held by the masters, the device's
@@ -73,5 +76,10 @@ class OptimizerOffload {
   std::vector<unsigned> hooks_;
   std::vector<size_t> streamed_;  // parameters whose device gradient is still to be released
 };
+
+// A state tensor of `device_parameter` brought back from the host, where the optimizer keeps it
+// for that parameter: one of the parameter's shape (a moment) on the parameter's device; another
+// (torch's step count, a scalar tensor) in ordinary CPU memory.
+at::Tensor state_tensor_to_device(const at::Tensor& host_state, const at::Tensor& device_parameter);
 
 }  // namespace memfit

@@ -131,6 +131,20 @@ std::unique_ptr<Adam8bitParamState> adam8bit_state_from_fp32(int64_t step, const
                                                              const at::Tensor& exp_avg_sq,
                                                              int64_t min_8bit_numel = kMin8bitNumel);
 
+// One parameter's Adam/AdamW state in fp32, as torch.optim keeps it: the step count and both
+// moments shaped as the parameter.
+struct AdamFp32State {
+  int64_t step = 0;
+  at::Tensor exp_avg;
+  at::Tensor exp_avg_sq;
+};
+
+// The reverse of adam8bit_state_from_fp32 (a plan's 8-bit state handed back to the user's fp32
+// Adam/AdamW): the step count kept, each quantized moment dequantized exactly as the next 8-bit
+// step would read it (so within its block's absmax times the map's max_error of the moment that
+// step would have used), a small tensor's fp32 moments as kept; shaped as `param`.
+AdamFp32State fp32_state_from_adam8bit(const Adam8bitParamState& state, const at::Tensor& param);
+
 class Adam8bit : public torch::optim::Optimizer {
  public:
   explicit Adam8bit(std::vector<torch::optim::OptimizerParamGroup> param_groups, Adam8bitOptions defaults = {});
