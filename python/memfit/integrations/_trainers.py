@@ -1,0 +1,134 @@
+"""What the integrations share: a real batch drawn without disturbing the run, a plan's step
+registered on the model, the optimizer that steps handed to the trainer's schedulers, and each
+training step under the budget with its peak kept."""
+import contextlib
+import random
+from collections.abc import Mapping
+
+import torch
+
+from memfit import _apply, _calls
+from memfit._budget import budget as budget_context
+
+
+_MISSING = object()
+
+
+@contextlib.contextmanager
+def instance_attribute(obj, name, value):
+    """obj.name is `value` inside the block (an instance attribute), as it was after."""
+    saved = obj.__dict__.get(name, _MISSING)
+    setattr(obj, name, value)
+    try:
+        yield
+    finally:
+        if saved is _MISSING:
+            delattr(obj, name)
+        else:
+            setattr(obj, name, saved)
+
+
+def check_not_applied(model, name):
+    if model in _apply._applied or _calls.intercepted(model):
+        raise ValueError(f"{name}: a plan is applied to it already (memfit.remove({name}) first)")
+
+
+def register(model, step):
+    """The step as memfit.apply's: memfit.remove(model) takes its wrappers off."""
+    _apply._applied[model] = step
+
+
+def plain_batch(batch):
+    """A mapping the trainer hands over (Hugging Face's BatchEncoding is a UserDict) as a dict,
+    the form memfit splits into micro-batches."""
+    if isinstance(batch, Mapping) and not isinstance(batch, dict):
+        return dict(batch)
+    return batch
+
+
+@contextlib.contextmanager
+def random_state_kept():
+    """Drawing a batch may draw random numbers (a shuffling sampler, a masking collator): they
+    are taken back, so the run draws what it would have drawn without memfit."""
+    state = random.getstate()
+    devices = list(range(torch.cuda.device_count())) if torch.cuda.is_available() else []
+    with torch.random.fork_rng(devices=devices):
+        try:
+            yield
+        finally:
+            random.setstate(state)
+
+
+def first_batch(loader):
+    """The loader's first batch, the random generators left as they were."""
+    with random_state_kept():
+        iterator = iter(loader)
+        try:
+            return plain_batch(next(iterator))
+        except StopIteration:
+            raise ValueError("train_dataset: it yields no batch (memfit plans from one real batch)") from None
+        finally:
+            del iterator  # worker processes, if any, end here
+
+
+def follow_optimizer(schedulers, old, new):
+    """Learning-rate schedulers built over `old` drive `new` from now on (memfit.Adam8bit over
+    the same parameters): its groups take the keys the schedulers keep there (initial_lr)."""
+    if new is old:
+        return
+    for new_group, old_group in zip(new.param_groups, old.param_groups):
+        for key, value in old_group.items():
+            new_group.setdefault(key, value)
+    for scheduler in schedulers:
+        if getattr(scheduler, "optimizer", None) is old:
+            scheduler.optimizer = new
+
+
+class StepBudgets:
+    """Each training step under memfit.budget(bytes): opened when the trainer begins a step,
+    closed when it ends it; ``peaks`` holds each step's peak (the bytes the budget counted)."""
+
+    def __init__(self, budget_bytes, device):
+        self.budget_bytes, self.device = budget_bytes, device
+        self.peaks = []
+        self._open = None
+        self._reported = 0
+
+    def begin(self):
+        self.close()
+        self._open = budget_context(self.budget_bytes, self.device)
+        self._open.__enter__()
+
+    def end(self):
+        if self._open is not None:
+            self.peaks.append(self._exit())
+
+    def close(self):
+        """Closes the open budget, if any (the run ended or failed inside a step)."""
+        if self._open is not None:
+            self._exit()
+
+    def _exit(self):
+        opened, self._open = self._open, None
+        opened.__exit__(None, None, None)
+        return opened.peak_bytes
+
+    def unreported_peak(self):
+        """The highest peak of the steps ended since the last call, or None."""
+        fresh = self.peaks[self._reported:]
+        self._reported = len(self.peaks)
+        return max(fresh) if fresh else None
+
+
+def plan_summary(plan):
+    """The plan as numbers a trainer's logger takes (its text form goes to the memfit logger)."""
+    return {
+        "memfit/budget_bytes": plan.budget_bytes,
+        "memfit/predicted_peak_bytes": plan.predicted_peak_bytes,
+        "memfit/micro_batch": plan.micro_batch,
+        "memfit/accumulation": plan.accumulation,
+        "memfit/precision_bf16": int(plan.precision == "bf16"),
+        "memfit/blocks_recomputed": len(plan.checkpointed),
+        "memfit/optimizer_state_8bit": int(plan.optimizer_state == "8bit"),
+        "memfit/optimizer_offloaded": int(plan.optimizer_offloaded),
+    }
