@@ -112,7 +112,9 @@ def test_remove_gives_the_trainer_its_own_step_back():
     ({"torch_compile": True}, "torch_compile=True"),
 ])
 def test_settings_it_cannot_plan_are_named(arguments, message):
-    t = trainer(causal_lm(), TokenChunks(), collate_chunks, 8, STEPS, **arguments)
+    t = trainer(causal_lm(), TokenChunks(), collate_chunks, 8, STEPS)
+    for name, value in arguments.items():  # set after: a Trainer made with torch_compile sets accelerate's shared state
+        setattr(t.args, name, value)
     with pytest.raises(ValueError, match=message):
         hf.fit(t, "1GiB", progress=False)
 
@@ -128,3 +130,17 @@ def test_bad_input_is_named():
     t.model.gradient_checkpointing_enable()
     with pytest.raises(ValueError, match="gradient checkpointing is on"):
         hf.fit(t, "1GiB", progress=False)
+
+
+def test_an_offloaded_optimizer_steps_on_the_host_and_clips_there_as_the_trainer_would():
+    """max_grad_norm stays 1.0: the Trainer's clipping moves to the host masters' gradients."""
+    dataset = TokenChunks()
+    t = trainer(causal_lm(), dataset, collate_chunks, 16, STEPS)
+    fitted = hf.fit(t, "1GiB", precisions=("fp32",), optimizer_state="fp32", offload="optimizer", progress=False)
+    assert fitted.plan.optimizer_offloaded and t.args.max_grad_norm == 0
+    t.train()
+    assert max(fitted.peaks) <= fitted.budget_bytes
+    assert all(p.grad is None for p in t.model.parameters()), "no gradient is left on the device"
+    reference = by_hand(causal_lm, dataset, collate_chunks, fitted.plan, STEPS)
+    reference.train()
+    assert_same_training(t, reference)

@@ -132,3 +132,43 @@ def plan_summary(plan):
         "memfit/optimizer_state_8bit": int(plan.optimizer_state == "8bit"),
         "memfit/optimizer_offloaded": int(plan.optimizer_offloaded),
     }
+
+
+class HostStepping(torch.optim.Optimizer):
+    """The optimizer a trainer steps where the plan offloads it: memfit's step has moved the
+    user's optimizer onto fp32 masters on the host (the gradients stream there in backward);
+    its step runs there and copies the masters back into the weights. ``max_grad_norm``: the
+    trainer's clipping, moved here to the masters' gradients, where offload put them."""
+
+    def __init__(self, optimizer, offload, max_grad_norm=0.0):
+        super().__init__(optimizer.param_groups, optimizer.defaults)  # the same group dicts, shared
+        self.optimizer, self.offload, self.max_grad_norm = optimizer, offload, max_grad_norm
+        self.state = optimizer.state
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        loss = None
+        if closure is not None:  # Lightning runs training_step and backward inside the step
+            with torch.enable_grad():
+                loss = closure()
+        if self.max_grad_norm:
+            torch.nn.utils.clip_grad_norm_(self.offload.masters, self.max_grad_norm)
+        self.offload.step(self.optimizer.step)
+        return loss
+
+    def zero_grad(self, set_to_none=True):
+        self.optimizer.zero_grad(set_to_none=set_to_none)
+
+    def state_dict(self):
+        return self.optimizer.state_dict()
+
+    def load_state_dict(self, state_dict):
+        self.optimizer.load_state_dict(state_dict)  # new group dicts (accelerate's prepare does this): shared again
+        self.param_groups, self.state = self.optimizer.param_groups, self.optimizer.state
+
+
+def stepping_optimizer(step, max_grad_norm=0.0):
+    """What the trainer steps: the step's optimizer, on the host masters where the plan offloads it."""
+    if step.offload is None:
+        return step.optimizer
+    return HostStepping(step.optimizer, step.offload, max_grad_norm)

@@ -20,6 +20,7 @@ The plan in the Trainer's terms:
 - Recomputed blocks: memfit's checkpointing of exactly the plan's blocks. Hugging Face's own
   gradient checkpointing recomputes every layer: args.gradient_checkpointing is turned off.
 - 8-bit state: memfit.Adam8bit becomes trainer.optimizer (a scheduler given follows it).
+  Offload: the optimizer steps on the host masters, and max_grad_norm clips their gradients.
 - The budget: each step, from on_step_begin to on_step_end (forward, backward, clipping, the
   optimizer step), under memfit.budget; an out-of-memory error in forward or backward is
   recovered as memfit.apply's step recovers it.
@@ -123,6 +124,18 @@ def _leave_recompute_to_memfit(trainer, obs):
         note(obs, "gradient_checkpointing turned off: memfit recomputes the plan's blocks, not every layer")
 
 
+def _stepping_optimizer(trainer, step, obs):
+    """trainer.optimizer from now on. Offloaded, the gradients are on the host masters: the
+    Trainer's clipping moves there (it would clip the model's, which are gone)."""
+    if step.offload is None:
+        return step.optimizer
+    norm, trainer.args.max_grad_norm = trainer.args.max_grad_norm or 0.0, 0.0
+    if norm:
+        note(obs, f"max_grad_norm {norm} clips the gradients on the host masters, where offload puts them (the "
+                  "Trainer then logs no grad_norm)")
+    return _trainers.HostStepping(step.optimizer, step.offload, norm)
+
+
 def _loss_is_summed(trainer, num_items_in_batch):
     """Whether the Trainer's loss is a micro-batch's part of the whole batch's already: the
     model, or compute_loss_func, divides by the batch's label count (transformers 4.46+)."""
@@ -195,7 +208,7 @@ class TrainerFit:
         self.budgets = _trainers.StepBudgets(step.budget, step.device)
         self._own_log, self._own_train = trainer.log, trainer.train
         _trainers.register(trainer.model, step)
-        self._set_optimizer(step.optimizer)
+        self._set_optimizer(_stepping_optimizer(trainer, step, observer))
         self._callback = _StepBudgetCallback(self)
         trainer.add_callback(self._callback)
         trainer.training_step = self._training_step
