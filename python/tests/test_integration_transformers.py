@@ -12,6 +12,9 @@ from trainer_models import (RecordingTrainer, Sentences, TokenChunks, by_hand, c
                             collate_padded, plain_peak, sequence_classifier, trainer)
 
 STEPS = 4
+# Hugging Face's checkpointing of every layer (transformers 5 renamed the argument)
+EVERY_LAYER = ("activation_checkpointing" if hasattr(transformers.TrainingArguments, "activation_checkpointing")
+               else "gradient_checkpointing")
 
 
 def assert_same_training(fitted_trainer, reference, rtol=1e-4):
@@ -42,13 +45,15 @@ def test_a_causal_lm_trains_under_45_percent_of_the_plain_step_as_by_hand():
 
 def test_a_sequence_classifier_with_its_own_accumulation_keeps_its_effective_batch():
     """Per-device 8 x accumulation 2: memfit loads the 16 samples whole and runs the plan's
-    micro-batches; the padding collator pads each batch to its longest sentence."""
+    micro-batches; the padding collator pads each batch to its longest sentence. Hugging Face's
+    checkpointing of every layer, asked for, gives way to the plan's."""
     dataset = Sentences()
     budget = int(plain_peak(sequence_classifier, dataset, collate_padded, 16) * 0.5)
-    t = trainer(sequence_classifier(), dataset, collate_padded, 8, STEPS, accumulation=2)
+    t = trainer(sequence_classifier(), dataset, collate_padded, 8, STEPS, accumulation=2, **{EVERY_LAYER: True})
     fitted = hf.fit(t, budget, precisions=("fp32",), optimizer_state="fp32", progress=False)
     assert (t.args.per_device_train_batch_size, t.args.gradient_accumulation_steps) == (16, 1)
     t.train()
+    assert not hf._recomputes_layers(t.model) and fitted.plan.checkpointed
     assert max(fitted.peaks) <= budget and fitted.step.oom_splits == 0
     reference = by_hand(sequence_classifier, dataset, collate_padded, fitted.plan, STEPS)
     reference.train()
@@ -127,7 +132,7 @@ def test_bad_input_is_named():
         hf.fit(t, "1GiB", precisions=("fp32",), progress=False)
     with pytest.raises(ValueError, match="budget 'lots'"):
         hf.fit(t, "lots")
-    t.model.gradient_checkpointing_enable()
+    getattr(t.model, "activation_checkpointing_enable", t.model.gradient_checkpointing_enable)()
     with pytest.raises(ValueError, match="gradient checkpointing is on"):
         hf.fit(t, "1GiB", progress=False)
 

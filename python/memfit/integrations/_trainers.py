@@ -9,6 +9,7 @@ import torch
 
 from memfit import _apply, _calls
 from memfit._budget import budget as budget_context
+from memfit._progress import note
 
 
 _MISSING = object()
@@ -38,6 +39,33 @@ def register(model, step):
     _apply._applied[model] = step
 
 
+class CacheOff:
+    """Hugging Face models' key/value cache off while memfit trains them (``restore()`` puts it
+    back), as Hugging Face's own checkpointing turns it off: training reads no cache, and a
+    cache object passed to each layer is state that a recomputed layer would fill again, and
+    that the recording of its call would keep alive after the step."""
+
+    def __init__(self, model, observer):
+        self.configs = [c for c in {id(c): c for c in _configs(model)}.values() if c.use_cache]
+        for config in self.configs:
+            config.use_cache = False
+        if self.configs:
+            note(observer, "use_cache turned off for training (a recomputed layer would fill the key/value cache again)")
+
+    def restore(self):
+        for config in self.configs:
+            config.use_cache = True
+        self.configs = []
+
+
+def _configs(model):
+    """The configs of the Hugging Face models (a PretrainedConfig: `use_cache`, `to_dict`) among the modules."""
+    for module in model.modules():
+        config = getattr(module, "config", None)
+        if isinstance(getattr(config, "use_cache", None), bool) and hasattr(config, "to_dict"):
+            yield config
+
+
 def plain_batch(batch):
     """A mapping the trainer hands over (Hugging Face's BatchEncoding is a UserDict) as a dict,
     the form memfit splits into micro-batches."""
@@ -47,21 +75,37 @@ def plain_batch(batch):
 
 
 @contextlib.contextmanager
-def random_state_kept():
-    """Drawing a batch may draw random numbers (a shuffling sampler, a masking collator): they
-    are taken back, so the run draws what it would have drawn without memfit."""
+def random_state_kept(loader):
+    """Drawing a batch may draw random numbers (a shuffling sampler, its own generator, a
+    masking collator): they are taken back, so the run draws what it would have drawn."""
     state = random.getstate()
+    generators = _generators(loader)
+    states = [g.get_state() for g in generators]
     devices = list(range(torch.cuda.device_count())) if torch.cuda.is_available() else []
     with torch.random.fork_rng(devices=devices):
         try:
             yield
         finally:
             random.setstate(state)
+            for g, saved in zip(generators, states):
+                g.set_state(saved)
+
+
+def _generators(loader):
+    """The torch.Generators a DataLoader and its samplers shuffle with."""
+    batch_sampler = getattr(loader, "batch_sampler", None)
+    holders = (loader, getattr(loader, "sampler", None), batch_sampler, getattr(batch_sampler, "sampler", None))
+    found = {}
+    for holder in holders:
+        generator = getattr(holder, "generator", None)
+        if isinstance(generator, torch.Generator):
+            found[id(generator)] = generator
+    return list(found.values())
 
 
 def first_batch(loader):
     """The loader's first batch, the random generators left as they were."""
-    with random_state_kept():
+    with random_state_kept(loader):
         iterator = iter(loader)
         try:
             return plain_batch(next(iterator))

@@ -17,8 +17,10 @@ The plan in the Trainer's terms:
   divided the loss by the whole batch's label count already (num_items_in_batch), as it is.
 - Precision: autocast at the plan's precision around compute_loss. A Trainer set to bf16 (or
   fp16) plans with that precision only.
-- Recomputed blocks: memfit's checkpointing of exactly the plan's blocks. Hugging Face's own
-  gradient checkpointing recomputes every layer: args.gradient_checkpointing is turned off.
+- Recomputed blocks: memfit's checkpointing of exactly the plan's blocks, the model's key/value
+  cache off (config.use_cache), as Hugging Face's checkpointing has it. Hugging Face's own
+  gradient checkpointing recomputes every layer: args.gradient_checkpointing (transformers 5:
+  activation_checkpointing) is turned off.
 - 8-bit state: memfit.Adam8bit becomes trainer.optimizer (a scheduler given follows it).
   Offload: the optimizer steps on the host masters, and max_grad_norm clips their gradients.
 - The budget: each step, from on_step_begin to on_step_end (forward, backward, clipping, the
@@ -53,13 +55,18 @@ def fit(trainer, budget, blocks=None, precisions=None, optimizer_state="auto", o
     batch_size = args.per_device_train_batch_size * args.gradient_accumulation_steps
     batch = _real_batch(trainer, batch_size)
     optimizer = trainer.optimizer if trainer.optimizer is not None else trainer.create_optimizer()
-    chosen = plan(trainer.model, optimizer, lambda model, b: trainer.compute_loss(model, b), batch, budget_bytes,
-                  blocks=blocks, optimizer_state=optimizer_state, offload=offload, host_budget=host_budget,
-                  progress=obs, **_precisions(args, precisions))
+    cache = _trainers.CacheOff(trainer.model, obs)
+    try:
+        chosen = plan(trainer.model, optimizer, lambda model, b: trainer.compute_loss(model, b), batch, budget_bytes,
+                      blocks=blocks, optimizer_state=optimizer_state, offload=offload, host_budget=host_budget,
+                      progress=obs, **_precisions(args, precisions))
+    except BaseException:
+        cache.restore()
+        raise
     del batch
     _load_whole_batch(trainer, batch_size, obs)
     _leave_recompute_to_memfit(trainer, obs)
-    return TrainerFit(trainer, _TrainerStep(trainer, optimizer, chosen, budget_bytes, obs), obs)
+    return TrainerFit(trainer, _TrainerStep(trainer, optimizer, chosen, budget_bytes, obs), cache, obs)
 
 
 def _check_trainer(trainer):
@@ -76,7 +83,7 @@ def _check_trainer(trainer):
     if args.torch_compile:
         raise ValueError("TrainingArguments torch_compile=True: compile after fit(), as memfit's blocks are wrapped "
                          "(memfit.integrations.transformers.fit, then torch.compile on each block); expected False")
-    if getattr(trainer.model, "is_gradient_checkpointing", False):
+    if _recomputes_layers(trainer.model):
         raise ValueError("trainer.model: Hugging Face's gradient checkpointing is on; memfit chooses the blocks to "
                          "recompute (model.gradient_checkpointing_disable() first)")
     if trainer.train_dataset is None:
@@ -118,10 +125,20 @@ def _load_whole_batch(trainer, batch_size, obs):
         trainer.accelerator.gradient_accumulation_steps = 1
 
 
+def _recomputes_layers(model):
+    """Whether Hugging Face's own checkpointing is on (transformers 5 names it activation checkpointing)."""
+    for name in ("is_activation_checkpointing", "is_gradient_checkpointing"):
+        if hasattr(type(model), name):
+            return getattr(model, name)
+    return False
+
+
 def _leave_recompute_to_memfit(trainer, obs):
-    if trainer.args.gradient_checkpointing:
-        trainer.args.gradient_checkpointing = False
-        note(obs, "gradient_checkpointing turned off: memfit recomputes the plan's blocks, not every layer")
+    names = [n for n in ("activation_checkpointing", "gradient_checkpointing") if getattr(trainer.args, n, False)]
+    for name in names:
+        setattr(trainer.args, name, False)
+    if names:
+        note(obs, f"{names[0]} turned off: memfit recomputes the plan's blocks, not every layer")
 
 
 def _stepping_optimizer(trainer, step, obs):
@@ -201,8 +218,8 @@ class TrainerFit:
     memfit.budget counted), ``budget_bytes``; ``remove()`` takes memfit off the Trainer (its
     batch knobs keep the whole batch)."""
 
-    def __init__(self, trainer, step, observer):
-        self.trainer, self.step, self.plan = trainer, step, step.plan
+    def __init__(self, trainer, step, cache, observer):
+        self.trainer, self.step, self.plan, self.cache = trainer, step, step.plan, cache
         self.budget_bytes = step.budget
         self.observer = observer
         self.budgets = _trainers.StepBudgets(step.budget, step.device)
@@ -247,9 +264,11 @@ class TrainerFit:
         self.trainer.log(_trainers.plan_summary(self.plan))
 
     def remove(self):
-        """The Trainer's own training_step, log and train again and the model's blocks unwrapped
-        (trainer.optimizer stays the one that stepped: memfit.Adam8bit, where the plan chose it)."""
+        """The Trainer's own training_step, log and train again, the model's blocks unwrapped and
+        its cache as it was (trainer.optimizer stays the one that stepped: memfit.Adam8bit, where
+        the plan chose it)."""
         for name in ("training_step", "log", "train"):
             self.trainer.__dict__.pop(name, None)
         self.trainer.remove_callback(self._callback)
         self.step.remove()
+        self.cache.restore()
