@@ -7,6 +7,7 @@ import torch
 from memfit import _batch, _calls
 from memfit._budget import budget as budget_context
 from memfit._checkpoint import Checkpointing
+from memfit._compiled import check_not_compiled
 from memfit._loader import load
 from memfit._measure import autocast, scalar_loss
 from memfit._offload import OptimizerOffload
@@ -231,6 +232,7 @@ class Step:
 
 
 def _check_plan_fits_model(model, plan):
+    check_not_compiled(model)  # compiled since it was planned
     if plan._model() is not model:
         raise ValueError("plan: it was made for another model (memfit.plan(model, ...) for this one)")
     ids = {id(m) for m in model.modules()}

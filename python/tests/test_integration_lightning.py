@@ -146,6 +146,12 @@ def test_settings_it_cannot_plan_are_named(arguments, message):
                   **arguments).fit(CausalLM(), loader(8))
 
 
+def test_a_compiled_module_is_refused_by_name():
+    callback = MemfitCallback("1GiB", progress=False)
+    with pytest.raises(ValueError, match=r"the LightningModule: compiled by model.forward = torch.compile"):
+        trainer(1, [callback]).fit(torch.compile(CausalLM()), loader(8))
+
+
 def test_bad_input_is_named():
     with pytest.raises(ValueError, match="budget 'lots'"):
         MemfitCallback("lots")

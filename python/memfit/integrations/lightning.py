@@ -33,6 +33,7 @@ import torch
 from lightning.pytorch.utilities.signature_utils import is_param_in_hook_signature
 
 from memfit._apply import Step
+from memfit._compiled import check_not_compiled
 from memfit._plan import plan
 from memfit._progress import note, observer as make_observer
 from memfit._sizes import format_bytes, parse_budget
@@ -214,6 +215,7 @@ class MemfitCallback(pl.Callback):
 
 
 def _check_trainer(trainer, pl_module):
+    check_not_compiled(pl_module, "the LightningModule")
     if trainer.world_size > 1 or trainer.num_devices > 1:
         raise ValueError(f"Trainer devices: {trainer.num_devices} x {trainer.num_nodes} nodes; expected one device")
     if not pl_module.automatic_optimization:

@@ -33,6 +33,7 @@ import torch
 import transformers
 
 from memfit._apply import Step
+from memfit._compiled import WHY, check_not_compiled
 from memfit._measure import autocast
 from memfit._plan import plan
 from memfit._progress import note, observer as make_observer
@@ -81,8 +82,8 @@ def _check_trainer(trainer):
     if args.auto_find_batch_size:
         raise ValueError("TrainingArguments auto_find_batch_size=True: memfit plans the batch instead; expected False")
     if args.torch_compile:
-        raise ValueError("TrainingArguments torch_compile=True: compile after fit(), as memfit's blocks are wrapped "
-                         "(memfit.integrations.transformers.fit, then torch.compile on each block); expected False")
+        raise ValueError(f"TrainingArguments torch_compile=True: expected False ({WHY})")
+    check_not_compiled(trainer.model, "trainer.model")
     if _recomputes_layers(trainer.model):
         raise ValueError("trainer.model: Hugging Face's gradient checkpointing is on; memfit chooses the blocks to "
                          "recompute (model.gradient_checkpointing_disable() first)")
