@@ -1,7 +1,6 @@
 """memfit.integrations.lightning.MemfitCallback on a LightningModule: each step under the budget,
 the training that of the same Trainer given the plan's batch and accumulation by hand, what
 training_step logs logged once per batch, and settings it cannot plan refused."""
-import collections
 
 import pytest
 import torch
@@ -12,47 +11,11 @@ if torch.__version__ < "2":
 L = pytest.importorskip("lightning.pytorch")
 
 import memfit  # noqa: E402
+from lightning_models import CausalLM, by_hand, loader, plain_peak, trainer  # noqa: E402
 from memfit.integrations.lightning import MemfitCallback  # noqa: E402
-from trainer_models import TokenChunks, causal_lm  # noqa: E402
+from trainer_models import causal_lm  # noqa: E402
 
 STEPS = 4
-
-
-class CausalLM(L.LightningModule):
-    """A Hugging Face GPT-2 trained by Lightning; each training_step call's batch index, samples and loss kept."""
-
-    def __init__(self, optimizer=torch.optim.AdamW):
-        super().__init__()
-        self.model = causal_lm()
-        self.optimizer = optimizer
-        self.calls = []
-
-    def on_train_start(self):
-        self.calls.clear()  # after memfit's callback planned: its profile runs training_step too
-
-    def training_step(self, batch, batch_idx):
-        loss = self.model(**batch).loss
-        self.calls.append((batch_idx, len(batch["input_ids"]), loss.item()))
-        self.log("train_loss", loss)
-        return loss
-
-    def configure_optimizers(self):
-        optimizer = self.optimizer(self.parameters(), lr=1e-3)
-        return {"optimizer": optimizer, "lr_scheduler": torch.optim.lr_scheduler.LinearLR(optimizer, 1.0, 0.1, STEPS)}
-
-    def step_losses(self, batches_per_step=1):
-        """Each step's loss: its batches' losses weighted by their samples."""
-        steps = collections.defaultdict(list)
-        for batch_idx, samples, loss in self.calls:
-            steps[batch_idx // batches_per_step].append((samples, loss))
-        return [sum(n * v for n, v in s) / sum(n for n, _ in s) for _, s in sorted(steps.items())]
-
-
-def loader(batch):
-    data = TokenChunks()
-    samples = [data[i] for i in range(len(data))]
-    return torch.utils.data.DataLoader(samples, batch_size=batch, shuffle=True,
-                                       generator=torch.Generator().manual_seed(2))
 
 
 class Logged(L.Callback):
@@ -63,33 +26,8 @@ class Logged(L.Callback):
         self.metrics.append({k: float(v) for k, v in trainer.callback_metrics.items()})
 
 
-class StepPeaks(L.Callback):
-    def __init__(self):
-        self.peaks = []
-
-    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
-        self.budget = memfit.budget(1 << 40)
-        self.budget.__enter__()
-
-    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
-        self.budget.__exit__(None, None, None)
-        self.peaks.append(self.budget.peak_bytes)
-
-
-def trainer(steps, callbacks=(), accumulate=1, **arguments):
-    return L.Trainer(max_steps=steps, accelerator="cpu", devices=1, callbacks=list(callbacks), logger=False,
-                     enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
-                     accumulate_grad_batches=accumulate, num_sanity_val_steps=0, **arguments)
-
-
-def plain_peak():
-    peaks = StepPeaks()
-    trainer(2, [peaks]).fit(CausalLM(), loader(16))
-    return max(peaks.peaks)
-
-
 def test_a_lightning_module_trains_under_45_percent_of_the_plain_step_as_by_hand():
-    budget = int(plain_peak() * 0.45)
+    budget = int(plain_peak(CausalLM, loader(16)) * 0.45)
     callback, logged = MemfitCallback(budget, progress=False), Logged()
     module = CausalLM()
     trainer(STEPS, [callback, logged]).fit(module, loader(16))
@@ -101,10 +39,7 @@ def test_a_lightning_module_trains_under_45_percent_of_the_plain_step_as_by_hand
     mine = module.step_losses()
     # self.log("train_loss") ran once per micro-batch: logged once per step, as the step's loss
     assert [m["train_loss"] for m in logged.metrics] == pytest.approx(mine, rel=1e-6)
-    optimizer = (lambda ps, lr: memfit.Adam8bit(ps, lr=lr)) if plan.optimizer_state == "8bit" else torch.optim.AdamW
-    reference = CausalLM(optimizer)
-    trainer(STEPS, accumulate=plan.accumulation,
-            precision="bf16-mixed" if plan.precision == "bf16" else "32-true").fit(reference, loader(plan.micro_batch))
+    reference = by_hand(causal_lm, plan, STEPS, loader(plan.micro_batch))
     torch.testing.assert_close(torch.tensor(mine), torch.tensor(reference.step_losses(plan.accumulation)), rtol=1e-4,
                                atol=1e-6)
     for p, q in zip(module.parameters(), reference.parameters()):
@@ -128,8 +63,7 @@ def test_an_out_of_memory_error_is_recovered_and_loses_no_sample():
     finally:
         memfit._C.fail_allocation_after(0)
     assert module.failed and callback.step.oom_splits == 1
-    reference = CausalLM()
-    trainer(STEPS).fit(reference, loader(16))
+    reference = by_hand(causal_lm, callback.plan, STEPS, loader(callback.plan.micro_batch))
     for p, q in zip(module.parameters(), reference.parameters()):
         torch.testing.assert_close(p, q, rtol=1e-4, atol=1e-5)
 

@@ -182,12 +182,14 @@ class HostStepping(torch.optim.Optimizer):
     """The optimizer a trainer steps where the plan offloads it: memfit's step has moved the
     user's optimizer onto fp32 masters on the host (the gradients stream there in backward);
     its step runs there and copies the masters back into the weights. ``max_grad_norm``: the
-    trainer's clipping, moved here to the masters' gradients, where offload put them."""
+    trainer's clipping, moved here to the masters' gradients, where offload put them;
+    ``grad_norm``: their norm before the last step."""
 
     def __init__(self, optimizer, offload, max_grad_norm=0.0):
         super().__init__(optimizer.param_groups, optimizer.defaults)  # the same group dicts, shared
         self.optimizer, self.offload, self.max_grad_norm = optimizer, offload, max_grad_norm
         self.state = optimizer.state
+        self.grad_norm = None
 
     @torch.no_grad()
     def step(self, closure=None):
@@ -195,8 +197,8 @@ class HostStepping(torch.optim.Optimizer):
         if closure is not None:  # Lightning runs training_step and backward inside the step
             with torch.enable_grad():
                 loss = closure()
-        if self.max_grad_norm:
-            torch.nn.utils.clip_grad_norm_(self.offload.masters, self.max_grad_norm)
+        limit = self.max_grad_norm or float("inf")  # inf: the norm, nothing clipped
+        self.grad_norm = float(torch.nn.utils.clip_grad_norm_(self.offload.masters, limit))
         self.offload.step(self.optimizer.step)
         return loss
 

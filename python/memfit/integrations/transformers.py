@@ -22,7 +22,8 @@ The plan in the Trainer's terms:
   gradient checkpointing recomputes every layer: args.gradient_checkpointing (transformers 5:
   activation_checkpointing) is turned off.
 - 8-bit state: memfit.Adam8bit becomes trainer.optimizer (a scheduler given follows it).
-  Offload: the optimizer steps on the host masters, and max_grad_norm clips their gradients.
+  Offload: the optimizer steps on the host masters, and max_grad_norm clips their gradients
+  (the logged grad_norm is theirs).
 - The budget: each step, from on_step_begin to on_step_end (forward, backward, clipping, the
   optimizer step), under memfit.budget; an out-of-memory error in forward or backward is
   recovered as memfit.apply's step recovers it.
@@ -109,9 +110,13 @@ def _real_batch(trainer, batch_size):
     saved = trainer._train_batch_size
     trainer._train_batch_size = batch_size
     try:
-        return _trainers.plain_batch(trainer._prepare_inputs(_trainers.first_batch(trainer.get_train_dataloader())))
+        loader = trainer.get_train_dataloader()
+        batch = _trainers.first_batch(loader)
     finally:
         trainer._train_batch_size = saved
+    if hasattr(loader, "end"):  # accelerate's loader leaves the accelerator's gradient state at an iteration's end
+        loader.end()
+    return _trainers.plain_batch(trainer._prepare_inputs(batch))
 
 
 def _load_whole_batch(trainer, batch_size, obs):
@@ -149,8 +154,7 @@ def _stepping_optimizer(trainer, step, obs):
         return step.optimizer
     norm, trainer.args.max_grad_norm = trainer.args.max_grad_norm or 0.0, 0.0
     if norm:
-        note(obs, f"max_grad_norm {norm} clips the gradients on the host masters, where offload puts them (the "
-                  "Trainer then logs no grad_norm)")
+        note(obs, f"max_grad_norm {norm} clips the gradients on the host masters, where offload puts them")
     return _trainers.HostStepping(step.optimizer, step.offload, norm)
 
 
@@ -226,7 +230,8 @@ class TrainerFit:
         self.budgets = _trainers.StepBudgets(step.budget, step.device)
         self._own_log, self._own_train = trainer.log, trainer.train
         _trainers.register(trainer.model, step)
-        self._set_optimizer(_stepping_optimizer(trainer, step, observer))
+        self._stepping = _stepping_optimizer(trainer, step, observer)
+        self._set_optimizer(self._stepping)
         self._callback = _StepBudgetCallback(self)
         trainer.add_callback(self._callback)
         trainer.training_step = self._training_step
@@ -259,6 +264,8 @@ class TrainerFit:
         peak = self.budgets.unreported_peak()
         if peak is not None:
             logs = {**logs, "memfit/peak_bytes": peak, "memfit/oom_splits": self.step.oom_splits}
+        if "loss" in logs and getattr(self._stepping, "grad_norm", None) is not None:
+            logs = {**logs, "grad_norm": self._stepping.grad_norm}  # offloaded: the masters' gradients, not the model's
         return self._own_log(logs, *args, **kwargs)
 
     def log_plan(self):
