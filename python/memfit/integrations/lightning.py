@@ -141,7 +141,7 @@ class MemfitCallback(pl.Callback):
         self.precisions = precisions
         self.observer = make_observer(progress)
         self.plan = self.step = self.budgets = None
-        self._module = self._logs = None
+        self._module = self._logs = self._cache = None
         self._arguments = ((), {})  # training_step's arguments after the batch (batch_idx, ...)
 
     @property
@@ -153,26 +153,26 @@ class MemfitCallback(pl.Callback):
         _trainers.check_not_applied(pl_module, "the LightningModule")
         self._module, self._logs = pl_module, _MicroBatchLogs(pl_module)
         self._cache = _trainers.CacheOff(pl_module, self.observer)
-        own_training_step = pl_module.training_step
-        # Lightning passes batch_idx where the hook takes it: to this callback's, which takes any.
-        self._takes_batch_idx = is_param_in_hook_signature(own_training_step, "batch_idx", min_args=2)
-        loss_fn = lambda module, batch: _loss_of(own_training_step(batch, *self._arguments[0], **self._arguments[1]))
-        optimizer = trainer.optimizers[0]
-        batch = _first_batch(trainer)
-        self._arguments = ((0,) if self._takes_batch_idx else (), {})
-        with self._logs.collecting():
-            chosen = plan(pl_module, optimizer, loss_fn, batch, self.budget_bytes, progress=self.observer,
-                          **self.options, **_precisions(trainer.precision, self.precisions))
-        del batch
-        self.plan = chosen
-        self.step = _ModuleStep(pl_module, optimizer, chosen, self.budget_bytes, self.observer, self._logs)
+        self.plan = self._planned(trainer, pl_module)
+        self.step = _ModuleStep(pl_module, trainer.optimizers[0], self.plan, self.budget_bytes, self.observer, self._logs)
         _trainers.register(pl_module, self.step)
-        _set_optimizer(trainer, optimizer, _trainers.stepping_optimizer(self.step))
+        _set_optimizer(trainer, trainer.optimizers[0], _trainers.stepping_optimizer(self.step))
         self.budgets = _trainers.StepBudgets(self.budget_bytes, self.step.device)
         pl_module.training_step = self._training_step
         for logger in trainer.loggers:
-            logger.log_hyperparams(_trainers.plan_summary(chosen))
-        note(self.observer, f"the Trainer's steps run under {format_bytes(self.budget_bytes)}:\n{chosen}")
+            logger.log_hyperparams(_trainers.plan_summary(self.plan))
+        note(self.observer, f"the Trainer's steps run under {format_bytes(self.budget_bytes)}:\n{self.plan}")
+
+    def _planned(self, trainer, pl_module):
+        """The plan of the module's step, from the first batch of its train DataLoader."""
+        own_training_step = pl_module.training_step
+        # Lightning passes batch_idx where the hook takes it: to this callback's, which takes any.
+        self._takes_batch_idx = is_param_in_hook_signature(own_training_step, "batch_idx", min_args=2)
+        self._arguments = ((0,) if self._takes_batch_idx else (), {})
+        loss_fn = lambda module, batch: _loss_of(own_training_step(batch, *self._arguments[0], **self._arguments[1]))
+        with self._logs.collecting():  # the profile's runs log nothing
+            return plan(pl_module, trainer.optimizers[0], loss_fn, _first_batch(trainer), self.budget_bytes,
+                        progress=self.observer, **self.options, **_precisions(trainer.precision, self.precisions))
 
     def _training_step(self, batch, *args, **kwargs):
         self._arguments = (args if self._takes_batch_idx else args[1:], kwargs)

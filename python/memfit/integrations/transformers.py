@@ -41,6 +41,7 @@ from memfit._progress import note, observer as make_observer
 from memfit._sizes import format_bytes, parse_budget
 from memfit.integrations import _trainers
 
+
 def fit(trainer, budget, blocks=None, precisions=None, optimizer_state="auto", offload="none", host_budget=None,
         progress=None):
     """Plans the Trainer's step for ``budget`` from one real batch of its collator, and puts the
@@ -226,7 +227,6 @@ class TrainerFit:
     def __init__(self, trainer, step, cache, observer):
         self.trainer, self.step, self.plan, self.cache = trainer, step, step.plan, cache
         self.budget_bytes = step.budget
-        self.observer = observer
         self.budgets = _trainers.StepBudgets(step.budget, step.device)
         self._own_log, self._own_train = trainer.log, trainer.train
         _trainers.register(trainer.model, step)
