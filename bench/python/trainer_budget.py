@@ -81,7 +81,7 @@ def row(name, plain, budget, plan, peaks, ooms, losses, reference_losses, traine
           f"{over} over; {ooms} out-of-memory errors", flush=True)
     return (f"| {name} | {plain} | {budget} | {plan.micro_batch} x {plan.accumulation}, {plan.precision}, "
             f"{len(plan.checkpointed)} of {len(plan.block_names)} blocks recomputed, {plan.optimizer_state} state | "
-            f"{plan.predicted_peak_bytes} | {max(peaks)} | {len(peaks)} of {len(peaks)} | {ooms} | "
+            f"{plan.predicted_peak_bytes} | {max(peaks)} | {len(peaks) - over} of {len(peaks)} | {ooms} | "
             f"{len(losses)} vs {len(reference_losses)}, {loss_diff:.2e} | {weight_diff:.2e} | {seconds:.1f} |")
 
 
@@ -98,7 +98,8 @@ def main():
           "| out-of-memory | losses vs by hand: steps, max abs diff | weights: max abs diff | memfit run, s |\n"
           "| --- | ---: | ---: | --- | ---: | ---: | ---: | ---: | --- | ---: | ---: |")
     print("\n".join(rows))
-    print(f"\n    OMP_WAIT_POLICY=passive {sys.executable} {' '.join(sys.argv)}  (STEPS={STEPS} FRACTION={FRACTION})")
+    python = os.path.relpath(sys.executable) if sys.executable.startswith(os.getcwd()) else sys.executable
+    print(f"\n    OMP_WAIT_POLICY=passive {python} {' '.join(sys.argv)}  (STEPS={STEPS} FRACTION={FRACTION})")
 
 
 if __name__ == "__main__":

@@ -1,6 +1,7 @@
 """What the integrations share: a real batch drawn without disturbing the run, a plan's step
-registered on the model, the optimizer that steps handed to the trainer's schedulers, and each
-training step under the budget with its peak kept."""
+registered on the model, Hugging Face models' cache off, the optimizer that steps handed to the
+trainer's schedulers (on the host masters where the plan offloads it), and each training step
+under the budget with its peak kept."""
 import contextlib
 import random
 from collections.abc import Mapping
@@ -10,7 +11,6 @@ import torch
 from memfit import _apply, _calls
 from memfit._budget import budget as budget_context
 from memfit._progress import note
-
 
 _MISSING = object()
 
