@@ -13,7 +13,7 @@ if [ ! -x "$venv/bin/python" ]; then
   /usr/bin/python3 -m venv --system-site-packages "$venv"
 fi
 "$venv/bin/pip" install -q --disable-pip-version-check . pytest
-# The trainers memfit.integrations plugs into, pinned per torch: the newest that support it.
+# The trainers memfit.integrations plugs into, pinned per torch (transformers 5 needs torch 2.x).
 # Lightning needs torch 2.x (its LightningModule does not construct on Debian's 1.13 under Python 3.11).
 if "$venv/bin/python" -c 'import sys, torch; sys.exit(int(torch.__version__.split(".")[0]) < 2)'; then
   "$venv/bin/pip" install -q --disable-pip-version-check transformers==5.25.0 accelerate==1.16.0 lightning==2.6.6

@@ -68,6 +68,22 @@ def test_an_out_of_memory_error_is_recovered_and_loses_no_sample():
         torch.testing.assert_close(p, q, rtol=1e-4, atol=1e-5)
 
 
+class Broken(CausalLM):
+    def training_step(self, batch, batch_idx):
+        if batch_idx == 1:
+            raise KeyError("no such column")
+        return super().training_step(batch, batch_idx)
+
+
+def test_any_other_error_reaches_the_user_as_it_was_and_leaves_no_budget():
+    callback, module = MemfitCallback("1GiB", precisions=("fp32",), progress=False), Broken()
+    before = memfit._C.budget_bytes()
+    with pytest.raises(KeyError, match="no such column"):
+        trainer(STEPS, [callback]).fit(module, loader(16))
+    assert memfit._C.budget_bytes() == before and callback.step.oom_splits == 0
+    assert not memfit._calls.intercepted(module) and "training_step" not in module.__dict__
+
+
 @pytest.mark.parametrize("arguments,message", [
     ({"accumulate_grad_batches": 2}, "accumulate_grad_batches 2: memfit accumulates"),
     ({"precision": "64-true"}, "precision '64-true': expected one of '32-true', '32', 'bf16-mixed'"),
