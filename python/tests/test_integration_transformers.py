@@ -160,3 +160,16 @@ def test_an_offloaded_optimizer_steps_on_the_host_and_clips_there_as_the_trainer
     assert_same_training(t, reference)
     norms = [[e["grad_norm"] for e in run.state.log_history if "loss" in e] for run in (t, reference)]
     torch.testing.assert_close(torch.tensor(norms[0]), torch.tensor(norms[1]), rtol=1e-4, atol=0)
+
+
+def test_a_bf16_plan_trains_as_the_trainer_set_to_bf16_by_hand():
+    """memfit's autocast around compute_loss, where the Trainer's arguments say fp32."""
+    dataset = TokenChunks()
+    t = trainer(causal_lm(), dataset, collate_chunks, 16, STEPS)
+    fitted = hf.fit(t, "1GiB", precisions=("bf16",), optimizer_state="fp32", progress=False)
+    assert fitted.plan.precision == "bf16" and not t.args.bf16
+    t.train()
+    reference = by_hand(causal_lm, dataset, collate_chunks, fitted.plan, STEPS)
+    assert reference.args.bf16
+    reference.train()
+    assert_same_training(t, reference)
