@@ -68,6 +68,19 @@ def test_an_out_of_memory_error_is_recovered_and_loses_no_sample():
         torch.testing.assert_close(p, q, rtol=1e-4, atol=1e-5)
 
 
+def test_an_offloaded_optimizer_steps_on_the_host_and_lightning_clips_it_there():
+    callback = MemfitCallback("1GiB", precisions=("fp32",), optimizer_state="fp32", offload="optimizer", progress=False)
+    module = CausalLM()
+    trainer(STEPS, [callback], gradient_clip_val=0.1).fit(module, loader(16))
+    assert callback.plan.optimizer_offloaded and max(callback.peaks) <= callback.budget_bytes
+    assert all(p.grad is None for p in module.parameters()), "no gradient is left on the device"
+    plan = callback.plan
+    reference = CausalLM()
+    trainer(STEPS, accumulate=plan.accumulation, gradient_clip_val=0.1).fit(reference, loader(plan.micro_batch))
+    for p, q in zip(module.parameters(), reference.parameters()):
+        torch.testing.assert_close(p, q, rtol=1e-4, atol=1e-5)
+
+
 class Broken(CausalLM):
     def training_step(self, batch, batch_idx):
         if batch_idx == 1:
