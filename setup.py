@@ -121,7 +121,7 @@ setup(
     name="memfit",
     version="0.1.0",
     description="Make PyTorch training fit a memory budget: exact bytes, a planner, the techniques applied",
-    packages=["memfit"],
+    packages=["memfit", "memfit.integrations"],
     package_dir={"": "python"},
     ext_modules=[extension()],
     cmdclass={"build_ext": Build.with_options(use_ninja=True)},

@@ -7,6 +7,7 @@ import torch
 from memfit import _batch, _calls
 from memfit._budget import budget as budget_context
 from memfit._checkpoint import Checkpointing
+from memfit._compiled import check_not_compiled
 from memfit._loader import load
 from memfit._parts import autocast, scalar_loss
 from memfit._offload import OptimizerOffload
@@ -220,17 +221,7 @@ class Step:
         every_step = self.checkpointing.recompute_all  # set after a real out-of-memory error
         self.checkpointing.recompute_all = every_step or recompute_all
         try:
-            with autocast(self.device, self.precision):
-                loss = scalar_loss(self.loss_fn(self.model, micro))
-            value = float(loss.detach())
-            if weight != 1.0:
-                loss = loss * weight
-            if self.scaler is not None:
-                loss = self.scaler.scale(loss)
-            loss.backward()
-            if self.offload is not None:
-                self.offload.release_device_gradients()
-            return value * weight
+            return self._forward_backward(micro, weight)
         except RuntimeError as e:
             if not is_out_of_memory(e):
                 raise
@@ -238,6 +229,21 @@ class Step:
         finally:
             self.checkpointing.recompute_all = every_step
         raise _OutOfMemory(message)  # raised here, outside the handler: the failed graph is gone
+
+    def _forward_backward(self, micro, weight):
+        """Forward + backward of one micro-batch, its loss weighted by its share of the samples;
+        returns the weighted loss. A trainer's integration runs the trainer's own step here."""
+        with autocast(self.device, self.precision):
+            loss = scalar_loss(self.loss_fn(self.model, micro))
+        value = float(loss.detach())
+        if weight != 1.0:
+            loss = loss * weight
+        if self.scaler is not None:
+            loss = self.scaler.scale(loss)
+        loss.backward()
+        if self.offload is not None:
+            self.offload.release_device_gradients()
+        return value * weight
 
     def remove(self):
         """Takes the plan off the model (memfit.remove(model) does this): its wrappers, and what the
@@ -269,6 +275,7 @@ class Step:
 
 
 def _check_plan_fits_model(model, plan):
+    check_not_compiled(model)  # compiled since it was planned
     if plan._model() is not model:
         raise ValueError("plan: it was made for another model (memfit.plan(model, ...) for this one)")
     ids = {id(m) for m in model.modules()}

@@ -6,6 +6,8 @@ one after another, each block's output the next one's input.
 """
 import torch
 
+from memfit._compiled import check_not_compiled
+
 _CONTAINERS = (torch.nn.ModuleList, torch.nn.Sequential)
 
 
@@ -133,7 +135,9 @@ def _with_sequential_siblings(model, found):
 
 
 def find_blocks(model, blocks=None):
-    """The model's blocks, in order: ValueError when `blocks` matches no module of the model."""
+    """The model's blocks, in order: ValueError when `blocks` matches no module of the model,
+    or when torch.compile reached it (memfit plans the eager model)."""
+    check_not_compiled(model)
     select = _selector(model, blocks)
     try:
         found = _outermost(model, select)

@@ -149,7 +149,7 @@ class _Recording:
         if count != len(self.handles):
             raise RuntimeError(f"memfit: a checkpointed segment saved {count} tensors when recomputed but "
                                f"{len(self.handles)} in forward: its blocks must run the same operations each time "
-                               "(no data-dependent branches)")
+                               "(no data-dependent branches; not compiled after memfit.apply)")
 
     def _replay(self):
         x = None

@@ -1,0 +1,28 @@
+"""Whether torch.compile has reached the model. memfit measures, recomputes and steps the eager
+model, so a compiled one is refused by name, before any step: on torch 2.x a compiled graph's
+autograd function reads the profiler state that memfit's allocation tracker occupies, and fails
+(std::bad_array_new_length); and a block compiled after memfit wrapped it recomputes its eager
+forward against the tensors the compiled one saved."""
+
+WHY = ("memfit measures and recomputes the eager model; its allocation tracker breaks a compiled graph's autograd "
+       "function on torch 2.x")
+
+
+def compiled_part(model):
+    """How torch.compile reached the model (a text naming the module), or None."""
+    if type(model).__name__ == "OptimizedModule" and hasattr(model, "_orig_mod"):
+        return "torch.compile(model)"
+    for name, module in model.named_modules():
+        label = name or "model"
+        if getattr(module, "_compiled_call_impl", None) is not None:
+            return f"{label}.compile()"
+        if getattr(module.__dict__.get("forward"), "_torchdynamo_orig_callable", None) is not None:
+            return f"{label}.forward = torch.compile(...)"
+    return None
+
+
+def check_not_compiled(model, name="model"):
+    """ValueError naming the compiled part, if torch.compile reached the model."""
+    where = compiled_part(model)
+    if where is not None:
+        raise ValueError(f"{name}: compiled by {where}; expected the eager model ({WHY})")
