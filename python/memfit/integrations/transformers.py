@@ -35,7 +35,7 @@ import transformers
 
 from memfit._apply import Step
 from memfit._compiled import WHY, check_not_compiled
-from memfit._measure import autocast
+from memfit._parts import autocast
 from memfit._plan import plan
 from memfit._progress import note, observer as make_observer
 from memfit._sizes import format_bytes, parse_budget
