@@ -12,8 +12,8 @@ class Adam8bit(torch.optim.Optimizer):
     """Adam (``decoupled_weight_decay=False``) or AdamW with 8-bit state from memfit's C++ core.
 
     The math is AdamW's (bias correction, decoupled weight decay) on the dequantized moments,
-    which are then quantized again; tensors under 4096 values keep fp32 moments, updated exactly
-    as torch's AdamW would. A parameter whose gradient holds inf or NaN is left untouched.
+    which are then quantized again; tensors under 4096 values keep fp32 moments, updated as torch
+    1.13's AdamW does, bit for bit (2.x's rounds in another order). A parameter whose gradient holds inf or NaN is left untouched.
     ``state_dict()`` / ``load_state_dict()`` round-trip the 8-bit codes bit for bit; ``state``
     holds each parameter's step and tensors (``exp_avg_codes``, ``exp_avg_absmax``, ...).
     The step runs in C++ with the GIL released.

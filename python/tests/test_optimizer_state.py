@@ -85,7 +85,7 @@ def test_removing_an_8bit_plan_gives_the_adamw_its_moments_and_step_counts_as_to
         step(batch)
     eight = step.optimizer
     read = {p: moments_read_by_8bit_step(eight.state[p], p.shape) for p in model.parameters()}
-    saved = eight.state_dict()
+    saved = copy.deepcopy(eight.state_dict())  # (torch 2.x's load_state_dict keeps the tensors it is given)
     assert memfit.remove(model)
     twin = copy.deepcopy(model)  # the 8-bit optimizer stepping on, to compare with
     twin_eight = memfit.Adam8bit(twin.parameters(), lr=1e-3)
@@ -106,8 +106,10 @@ def test_removing_an_8bit_plan_gives_the_adamw_its_moments_and_step_counts_as_to
     for p, q in zip(model.parameters(), twin.parameters()):
         s, t = opt.state[p], twin_eight.state[q]
         assert float(s["step"]) == int(t["step"]) == 5
-        if "exp_avg_codes" not in t:  # small tensors: both are torch's AdamW, bit for bit
-            assert torch.equal(s["exp_avg"], t["exp_avg"]) and torch.equal(p, q)
+        if "exp_avg_codes" not in t:  # small tensors: both AdamW's fp32 arithmetic (torch 2.x's in another order)
+            for a, b in ((s["exp_avg"], t["exp_avg"]), (s["exp_avg_sq"], t["exp_avg_sq"]), (p, q)):
+                scale = float(a.abs().max())  # (the rounding of its largest terms, not its own)
+                assert torch.allclose(a, b, rtol=0, atol=8 * torch.finfo(torch.float32).eps * scale), (a - b).abs().max()
             continue
         quantized += 1
         assert within_8bit_bound(t["exp_avg_codes"], t["exp_avg_absmax"], s["exp_avg"], True)

@@ -37,7 +37,9 @@ c10::Device cpu_reported_device() {
   return cpu_counted_as_cuda() ? c10::Device(c10::kCUDA, 0) : c10::Device(c10::kCPU);
 }
 
-MemoryTracker::MemoryTracker() : t0_(std::chrono::steady_clock::now()) {}
+MemoryTracker::MemoryTracker()
+    : ProfilerStateBase(torch::profiler::impl::ProfilerConfig(torch::profiler::impl::ProfilerState::Disabled)),
+      t0_(std::chrono::steady_clock::now()) {}
 
 int64_t MemoryTracker::now_ns() const {
   return std::chrono::duration_cast<std::chrono::nanoseconds>(std::chrono::steady_clock::now() - t0_)

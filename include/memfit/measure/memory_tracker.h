@@ -17,6 +17,7 @@
 
 #include <c10/core/Allocator.h>
 #include <c10/util/ThreadLocalDebugInfo.h>
+#include <torch/csrc/profiler/orchestration/observer.h>
 
 #include <array>
 #include <chrono>
@@ -92,9 +93,15 @@ struct LiveAllocation {
   MemoryDevice device;
 };
 
-class MemoryTracker : public c10::MemoryReportingInfoBase {
+// The allocators report to whatever sits in the thread's profiler slot, and LibTorch reads that
+// slot as a profiler's state (torch.autograd.Function's apply asks whether profiling is on): so the
+// tracker is a profiler state, one that is off, which only counts memory.
+class MemoryTracker : public torch::profiler::impl::ProfilerStateBase {
  public:
   MemoryTracker();
+  torch::profiler::impl::ActiveProfilerType profilerType() override {
+    return torch::profiler::impl::ActiveProfilerType::NONE;
+  }
 
   // --- c10 hook (called by the allocators) ---
   void reportMemoryUsage(void* ptr, int64_t alloc_size, compat::ReportTotal total_allocated,
