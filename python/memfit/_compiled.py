@@ -1,11 +1,11 @@
 """Whether torch.compile has reached the model. memfit measures, recomputes and steps the eager
-model, so a compiled one is refused by name, before any step: on torch 2.x a compiled graph's
-autograd function reads the profiler state that memfit's allocation tracker occupies, and fails
-(std::bad_array_new_length); and a block compiled after memfit wrapped it recomputes its eager
-forward against the tensors the compiled one saved."""
+model, so a compiled one is refused by name, before any step: a compiled graph keeps other
+tensors for backward than the eager forward memfit measured (its plan would be predicted for
+another step), and a block compiled after memfit wrapped it recomputes its eager forward against
+the tensors the compiled one saved."""
 
-WHY = ("memfit measures and recomputes the eager model; its allocation tracker breaks a compiled graph's autograd "
-       "function on torch 2.x")
+WHY = ("memfit measures and recomputes the eager model; a compiled graph saves other tensors for backward than the "
+       "eager forward it measured and recomputes")
 
 
 def compiled_part(model):

@@ -124,3 +124,30 @@ def test_an_offloaded_optimizers_bytes_count_as_the_hosts():
 def test_track_rejects_what_is_not_a_model():
     with pytest.raises(ValueError, match="model"):
         memfit.track(model=3)
+
+
+class _Twice(torch.autograd.Function):
+    """A user's own autograd function: its apply asks LibTorch whether a profiler is on."""
+
+    @staticmethod
+    def forward(ctx, x):
+        return x * 2
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad * 2
+
+
+def test_an_autograd_function_runs_under_the_tracker_and_its_bytes_count():
+    """The tracker sits where LibTorch looks for a profiler (a profiler that is off): a custom
+    autograd function runs under it, and what it makes is counted."""
+    layer = torch.nn.Linear(256, 256)
+    x = torch.randn(64, 256)
+    _Twice.apply(layer(x)).sum().backward()
+    reference = layer.weight.grad
+    layer.weight.grad = None
+    with memfit.track(model=layer) as t:
+        out = _Twice.apply(layer(x))
+        out.sum().backward()
+    assert torch.equal(layer.weight.grad, reference)
+    assert t.peak_bytes >= 2 * 64 * 256 * 4  # the layer's output and the function's, both alive
