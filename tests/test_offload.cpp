@@ -152,8 +152,8 @@ TEST(OptimizerOffloadTest, ReleaseGivesTheOptimizerBackOnTheDevice) {
     EXPECT_EQ(alloc.allocated(), device_before) << "and are back";
     EXPECT_EQ(alloc.host_allocated() - host_before, parameter_bytes(*a)) << "the masters, until the offload goes";
     ASSERT_EQ(mine.param_groups()[0].params().size(), a->parameters().size());
-    const auto adam_state = [](torch::optim::Optimizer& o, const at::Tensor& p) -> const torch::optim::AdamParamState& {
-      return static_cast<const torch::optim::AdamParamState&>(*o.state().at(param_state_key(p)));
+    const auto adam_state = [](torch::optim::Optimizer& o, const at::Tensor& p) -> const torch::optim::AdamWParamState& {
+      return static_cast<const torch::optim::AdamWParamState&>(*o.state().at(param_state_key(p)));
     };
     for (size_t i = 0; i < a->parameters().size(); ++i) {
       EXPECT_TRUE(mine.param_groups()[0].params()[i].is_same(a->parameters()[i]));

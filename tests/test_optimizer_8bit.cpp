@@ -284,7 +284,7 @@ TEST(Optimizer8BitTest, Fp32AdamWFromTheGivenBackStateStepsAsTheEightBitOneWould
   EXPECT_TRUE(back.exp_avg.reshape(-1).equal(read)) << "the moment as the 8-bit step reads it";
   at::Tensor w32 = w8.detach().clone().requires_grad_();
   torch::optim::AdamW fp32({w32}, torch::optim::AdamWOptions(1e-2));
-  auto given = std::make_unique<torch::optim::AdamParamState>();
+  auto given = std::make_unique<torch::optim::AdamWParamState>();
   given->step(back.step);
   given->exp_avg(back.exp_avg.clone());
   given->exp_avg_sq(back.exp_avg_sq.clone());
