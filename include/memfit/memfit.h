@@ -50,6 +50,7 @@
 #include "memfit/plan/optimizer_costs.h"
 #include "memfit/plan/partwise.h"
 #include "memfit/plan/plan.h"
+#include "memfit/plan/plan_ask.h"
 #include "memfit/plan/plan_request.h"
 #include "memfit/plan/plan_steps.h"
 #include "memfit/plan/planner.h"

@@ -29,5 +29,6 @@ from memfit._sizes import format_bytes, parse_budget as parse_size  # noqa: E402
 from memfit._track import track  # noqa: E402
 
 __version__ = "0.1.0"
+PLAN_MARGIN = _C.plan_margin  # of a budget, kept free by every plan unless plan(margin=) says otherwise
 __all__ = ["track", "budget", "plan", "apply", "remove", "fit", "Plan", "Step", "BudgetError", "Adam8bit",
-           "Observer", "allocated_bytes", "format_bytes", "parse_size", "built_torch_version"]
+           "Observer", "allocated_bytes", "format_bytes", "parse_size", "built_torch_version", "PLAN_MARGIN"]

@@ -7,6 +7,7 @@ import weakref
 import torch
 
 from memfit import _batch, _blocks, _budget, _storage
+from memfit._cache_off import NOTE as CACHE_NOTE, CacheOff
 from memfit._loader import load
 from memfit._optimizer_costs import has_8bit_state, measure_optimizer, optimizer_family
 from memfit._parts import ModuleParts
@@ -16,11 +17,10 @@ from memfit._state import ModelState
 
 _C = load()
 
-_PRECISIONS = ("fp32", "bf16", "fp16")
-
 # The C++ core's notes quote its options in backquotes; here they read as plan()'s arguments.
 _ARGUMENTS = ((re.compile(r"`precision` (\w+)"), r"precisions=('\1',)"),
               (re.compile(r"`optimizer\.state` (\w+)"), r"optimizer_state='\1'"),
+              (re.compile(r"`offload` (\w+)"), r"offload='\1'"),
               (re.compile(r"`blocks`"), "blocks="))
 
 
@@ -31,15 +31,12 @@ def _in_python_terms(text):
 
 
 class BudgetError(ValueError):
-    """No configuration reaches the budget; ``floor_bytes`` is the smallest budget that works."""
+    """No configuration reaches the budget; ``floor_bytes`` is the smallest budget that works. The
+    message (the C++ core's) names it, and what would go lower where the plan was not allowed it."""
 
-    def __init__(self, budget_bytes, floor_bytes, offload_floor_bytes=None):
+    def __init__(self, budget_bytes, floor_bytes, text):
         self.budget_bytes, self.floor_bytes = budget_bytes, floor_bytes
-        hint = ""
-        if offload_floor_bytes is not None and offload_floor_bytes < floor_bytes:
-            hint = f"; with offload='optimizer', {format_bytes(offload_floor_bytes)} ({offload_floor_bytes} bytes)"
-        super().__init__(f"budget {format_bytes(budget_bytes)} ({budget_bytes} bytes) is below what any plan needs: "
-                         f"the smallest budget that works is {format_bytes(floor_bytes)} ({floor_bytes} bytes){hint}")
+        super().__init__(text)
 
 
 class Plan:
@@ -55,8 +52,9 @@ class Plan:
     as a table; ``to_json()`` gives every number.
     """
 
-    def __init__(self, result, blocks, loss_fn, model, batch_size, device, planner):
+    def __init__(self, result, blocks, loss_fn, model, batch_size, device, planner, cache_off=False):
         self._result = result
+        self._cache_off = cache_off  # the model's own key/value cache is off while it trains (_cache_off.py)
         self._planner = planner  # the C++ Planner that made it (its request, and the measured costs)
         self._profile = planner.profile()  # the measured costs (C++ WorkloadProfile) the plan was made from
         self._blocks = blocks
@@ -81,6 +79,9 @@ class Plan:
         self.segments = [(first - 1, last - 1) for first, last in result["segments"]]
         self.checkpointed = [blocks[i].name for first, last in self.segments for i in range(first, last + 1)]
         self.block_names = [b.name for b in blocks]
+        # Blocks whose forward changes state that outlives it: never recomputed, not even to recover.
+        parts = self._profile.precisions[0].large.blocks
+        self.never_recomputed = [i for i in range(len(blocks)) if not parts[i + 1].recomputable]
 
     def to_dict(self):
         """Every number of the plan, the C++ planner's own JSON under ``"planner"``, and the
@@ -115,11 +116,16 @@ class Plan:
             if first not in index or last not in index or index[last] < index[first]:
                 raise ValueError(f"segments {segment!r}: expected a block name or a (first, last) pair of names in "
                                  f"order, from {self.block_names}")
+            stateful = [self.block_names[i] for i in range(index[first], index[last] + 1) if i in self.never_recomputed]
+            if stateful:
+                raise ValueError(f"segments {segment!r}: {stateful[0]} is never recomputed (its forward changes state "
+                                 "that outlives it: the plan's notes say which)")
             chain.append((index[first] + 1, index[last] + 1))  # the chain's part 0 is the code before the blocks
         chain.sort()
         result = self._planner.evaluate(self.micro_batch, self.precision, chain, self.budget_bytes, self.optimizer_state,
                                         self.optimizer_offloaded)
-        return Plan(result, self._blocks, self._loss_fn, self._model(), self.batch_size, self.device, self._planner)
+        return Plan(result, self._blocks, self._loss_fn, self._model(), self.batch_size, self.device, self._planner,
+                    self._cache_off)
 
     def __str__(self):
         recomputed = ", ".join(self.checkpointed) if self.checkpointed else "none"
@@ -151,23 +157,10 @@ def _check_arguments(model, optimizer, loss_fn):
         raise ValueError(f"optimizer {type(optimizer).__name__}: expected a torch.optim.Optimizer")
     if not callable(loss_fn):
         raise ValueError(f"loss_fn {loss_fn!r}: expected a function (model, batch) -> loss tensor")
-
-
-def _precisions(precisions, device):
-    if isinstance(precisions, str):
-        precisions = (precisions,)
-    chosen, notes = [], []
-    for p in precisions:
-        if p not in _PRECISIONS:
-            raise ValueError(f"precisions {p!r}: expected a tuple of 'fp32', 'bf16', 'fp16'")
-        ok, why = _C.precision_supported(p, device.type)
-        if ok:
-            chosen.append(p)
-        else:
-            notes.append(f"{p} not considered: {why}")
-    if not chosen:
-        raise ValueError(f"precisions {tuple(precisions)!r}: none runs on {device.type} ({'; '.join(notes)})")
-    return chosen, notes
+    trained = {id(p) for p in model.parameters() if p.requires_grad}
+    if not any(id(p) in trained for g in optimizer.param_groups for p in g["params"]):
+        raise ValueError(f"optimizer {type(optimizer).__name__}: holds none of the model's trainable parameters; "
+                         "expected an optimizer over them")
 
 
 def _device_of(model, batch):
@@ -188,37 +181,12 @@ def resident_bytes(model, optimizer, batch, device):
     return allocated - _storage.unique_bytes(known)
 
 
-def _request(optimizer, samples, device, costs, resident, optimizer_state, micro_batch, margin, offload="none",
-             host_budget=0):
-    r = _C.RequestOptions()
-    r.batch = samples
-    r.micro_batch = micro_batch or 0
-    r.device = device.type
-    r.optimizer_family = optimizer_family(optimizer)
-    r.optimizer_state = optimizer_state if len(costs) > 1 or optimizer_state != "auto" else "fp32"
-    r.lr = float(optimizer.param_groups[0].get("lr", 1e-3))
-    r.optimizer_costs = costs
-    r.resident_bytes = resident
-    r.outside_bytes = _budget.outside_bytes(device)  # a CUDA budget counts it too
-    r.margin = margin
-    r.offload = offload
-    r.host_budget_bytes = host_budget
-    return r
-
-
 def _profile_options(obs, streamed):
     o = _C.ProfileOptions()
     o.streamed = streamed  # the optimizer may be offloaded: the streamed backward is measured too
     if hasattr(obs, "on_progress"):
         o.progress = obs.on_progress
     return o
-
-
-def _check_offload(offload):
-    if offload not in ("none", "optimizer", "auto"):
-        raise ValueError(f"offload {offload!r}: expected 'none', 'optimizer' or 'auto' (activations stay on the device "
-                         "from Python)")
-    return offload
 
 
 def _check_optimizer_state(optimizer, optimizer_state):
@@ -237,7 +205,7 @@ def _optimizer_costs(optimizer, tracker, optimizer_state, with_8bit):
 
 
 def plan(model, optimizer, loss_fn, batch, budget, blocks=None, precisions=("fp32", "bf16"), optimizer_state="auto",
-         micro_batch=None, margin=0.03, offload="none", host_budget=None, progress=None):
+         micro_batch=None, margin=None, offload="none", host_budget=None, progress=None):
     """Plans the fastest configuration of one training step that fits ``budget``.
 
     ``loss_fn(model, batch) -> loss`` says how a batch becomes a scalar loss (any forward
@@ -253,63 +221,84 @@ def plan(model, optimizer, loss_fn, batch, budget, blocks=None, precisions=("fp3
     (its state, its step and fp32 masters of the weights on the host, each gradient streamed
     there as backward makes it; ZeRO-Offload), or "auto" (the optimizer offloaded only where that
     fits when the device alone does not, or runs faster); ``host_budget`` caps the host bytes.
+    ``margin``: the share of the budget kept free for what the measurements cannot see (None:
+    the core's default, ``memfit.PLAN_MARGIN``).
 
     The model, its gradients, buffers and the random generators are left as they were (also on
     Ctrl-C). Returns a :class:`Plan`; raises :class:`BudgetError` (naming the smallest budget
     that works) when nothing fits, and ValueError naming the argument for bad input.
     """
     _check_arguments(model, optimizer, loss_fn)
-    budget_bytes = parse_budget(budget, "budget")
-    samples = _batch.sample_count(batch)
-    if micro_batch is not None and not (isinstance(micro_batch, int) and 1 <= micro_batch <= samples):
-        raise ValueError(f"micro_batch {micro_batch!r}: expected None (planned) or 1 to the batch's {samples} samples")
-    if not 0 <= margin < 0.5:
-        raise ValueError(f"margin {margin!r}: expected a fraction of the budget from 0 to 0.5")
     found = _blocks.find_blocks(model, blocks)
     device = _device_of(model, batch)
-    offload = _check_offload(offload)
-    host_budget_bytes = 0 if host_budget is None else parse_budget(host_budget, "host_budget")
-    chosen, notes = _precisions(precisions, device)
-    if offload != "none" and "fp16" in chosen:  # GradScaler unscales on the device, the gradients are on the host
-        chosen = [c for c in chosen if c != "fp16"]
-        notes.append("fp16 not considered: its loss scaler needs the gradients on the device, offload puts them on the host")
-        if not chosen:
-            raise ValueError(f"precisions {tuple(precisions)!r}: fp16 cannot run with offload={offload!r} (its loss "
-                             "scaler needs the gradients on the device); add 'fp32' or 'bf16'")
+    ask = _ask(optimizer, batch, device, budget, precisions, optimizer_state, micro_batch, margin, offload, host_budget)
     with_8bit = _check_optimizer_state(optimizer, optimizer_state)
     if with_8bit:
         _C.make_dynamic_maps(str(device))  # constants for the process's life: resident from now on
     obs = make_observer(progress)
     state = ModelState(model, optimizer, device)
-    tracker = _C.Tracker(str(device))
+    cache = CacheOff(model)  # measured as it will train
+    cache_off = cache.applies
+    if cache_off:
+        note(obs, CACHE_NOTE)
     try:
         gc.collect()  # tensors held only by unreachable cycles would count as resident, then be freed
-        resident = resident_bytes(model, optimizer, batch, device)
+        ask.resident_bytes = resident_bytes(model, optimizer, batch, device)
+        setup = _C.set_up_plan(ask)  # ValueError naming the first value not accepted
         state.clear_gradients()
-        install = _C.TrackerInstall(tracker)
-        try:
-            parts = ModuleParts(model, loss_fn, batch, found, device)
-            try:
-                profile = _C.profile_parts(parts, chosen, tracker, _profile_options(obs, streamed=offload != "none"))
-            except ValueError as e:  # the blocks' order, said in the core's terms
-                raise ValueError(_in_python_terms(str(e))) from None
-            for text in profile.notes:
-                note(obs, _in_python_terms(text))
-            profile.notes = notes + list(profile.notes)
-            costs = _optimizer_costs(optimizer, tracker, optimizer_state, with_8bit)
-        finally:
-            install.close()
-        request = _request(optimizer, samples, device, costs, resident, optimizer_state, micro_batch, margin, offload,
-                           host_budget_bytes)
-        planner = _C.Planner(profile, request)
-        result = _C.plan_timing_as_needed(planner, budget_bytes, parts)
-        if not result["feasible"] and offload == "none":
-            offloaded = _request(optimizer, samples, device, costs, resident, optimizer_state, micro_batch, margin,
-                                 "optimizer", host_budget_bytes)
-            offload_floor = _C.Planner(profile, offloaded).floor_bytes()
+        parts = ModuleParts(model, loss_fn, batch, found, device)
+        profile, costs = _measure(parts, optimizer, setup, optimizer_state, with_8bit, obs, streamed=offload != "none")
+        planner = _C.Planner(profile, setup.request(costs))
+        result = _C.plan_timing_as_needed(planner, parts)
+        if not result["feasible"]:
+            raise BudgetError(ask.budget_bytes, result["floor_bytes"],
+                              _in_python_terms(_C.below_floor_text(planner, ask.budget_bytes)))
     finally:
+        cache.restore()
         state.restore()
         obs.close()
-    if not result["feasible"]:
-        raise BudgetError(budget_bytes, result["floor_bytes"], offload_floor if offload == "none" else None)
-    return Plan(result, found, loss_fn, model, samples, device, planner)
+    return Plan(result, found, loss_fn, model, ask.batch, device, planner, cache_off)
+
+
+def _ask(optimizer, batch, device, budget, precisions, optimizer_state, micro_batch, margin, offload, host_budget):
+    """What plan() was asked, in the C++ core's terms (plan/plan_ask.h), which checks it."""
+    ask = _C.PlanAsk()
+    ask.budget_bytes = parse_budget(budget, "budget")
+    ask.batch = _batch.sample_count(batch)
+    ask.device = str(device)
+    ask.precisions = [precisions] if isinstance(precisions, str) else list(precisions)
+    if micro_batch is not None:
+        if isinstance(micro_batch, bool) or not isinstance(micro_batch, int) or micro_batch < 1:
+            raise ValueError(f"micro_batch {micro_batch!r}: expected None (planned) or 1 to the batch's {ask.batch} "
+                             "samples")
+        ask.micro_batch = micro_batch
+    if margin is not None:
+        ask.margin = margin
+    ask.offload = offload
+    if host_budget is not None:
+        ask.host_budget_bytes = parse_budget(host_budget, "host_budget")
+    ask.optimizer_family = optimizer_family(optimizer)
+    ask.lr = float(optimizer.param_groups[0].get("lr", 1e-3))
+    ask.outside_bytes = _budget.outside_bytes(device)  # a CUDA budget counts it too
+    return ask
+
+
+def _measure(parts, optimizer, setup, optimizer_state, with_8bit, obs, streamed):
+    """The model's costs (the C++ profile of its parts) and the optimizer's, the tracker counting
+    the model's device."""
+    tracker = _C.Tracker(parts.device())
+    for text in setup.notes:
+        note(obs, _in_python_terms(text))
+    try:
+        profile = _C.profile_parts(parts, setup.precisions, tracker, _profile_options(obs, streamed))
+    except ValueError as e:  # the blocks' order, said in the core's terms
+        raise ValueError(_in_python_terms(str(e))) from None
+    for text in profile.notes:
+        note(obs, _in_python_terms(text))
+    profile.notes = list(setup.notes) + list(profile.notes)
+    install = _C.TrackerInstall(tracker)
+    try:
+        costs = _optimizer_costs(optimizer, tracker, optimizer_state, with_8bit)
+    finally:
+        install.close()
+    return profile, costs

@@ -11,6 +11,7 @@
 #include "memfit/errors.h"
 #include "memfit/plan/cost_fit.h"
 #include "memfit/plan/job.h"
+#include "memfit/plan/plan_ask.h"
 #include "memfit/plan/planner.h"
 #include "memfit/plan/profile.h"
 #include "memfit/plan/schedule.h"
@@ -21,45 +22,58 @@ namespace py = pybind11;
 namespace memfit::python {
 namespace {
 
-// What a plan needs besides the profile: the step's fixed parts and the optimizer's costs.
-struct RequestOptions {
-  int64_t batch = 1;
-  int64_t micro_batch = 0;          // 0: searched
-  std::string device = "cpu";
-  std::string optimizer_family = "adamw";
-  std::string optimizer_state = "fp32";   // fp32, 8bit or auto
-  double lr = 1e-3;
-  std::vector<OptimizerCost> optimizer_costs;  // the first is the spec's (fp32 under auto)
-  int64_t resident_bytes = 0;
-  int64_t outside_bytes = 0;        // CUDA: memory outside the caching allocator (memfit.budget's too)
-  double margin = kPlanMargin;
-  // none, optimizer or auto; saved activations stay on the device (their offload needs memfit's
-  // autograd engine, which Python's replaces).
-  std::string offload = "none";
-  int64_t host_budget_bytes = 0;    // 0: unlimited
-};
-
-PlanRequest make_request(const RequestOptions& o) {
-  PlanRequest r;
-  r.step.device = c10::Device(o.device);
-  r.step.batch = o.batch;
-  r.step.micro_batch = o.micro_batch;
-  r.step.set_to_none = true;
-  r.step.optimizer.family = parse_optimizer_family(o.optimizer_family);
-  r.step.optimizer.lr = o.lr;
-  r.step.optimizer.state = parse_state_precision(o.optimizer_state);
-  TORCH_CHECK(!o.optimizer_costs.empty(), "memfit: the optimizer's cost was not measured");
-  r.optimizer = o.optimizer_costs.front();
-  r.optimizer_alternatives.assign(o.optimizer_costs.begin() + 1, o.optimizer_costs.end());
-  r.resident_bytes = o.resident_bytes;
-  r.outside_bytes = o.outside_bytes;
-  r.margin = o.margin;
-  const OffloadMode offload = parse_offload_mode(o.offload);
-  check_option(offload == OffloadMode::kNone || offload == OffloadMode::kOptimizer || offload == OffloadMode::kAuto,
-               "offload", o.offload, "expected none, optimizer or auto (activations stay on the device from Python)");
-  request_offload(r, offload == OffloadMode::kAuto ? OffloadMode::kOptimizer : offload, o.host_budget_bytes);
-  if (offload == OffloadMode::kAuto) r.optimizer_offload = {false, true};  // the optimizer only where it pays
+// The request of a setup with the optimizer's measured costs: the first is the spec's (fp32 under
+// auto), the others what the plan may choose instead; several make the state auto.
+PlanRequest request_with_costs(const PlanSetup& setup, const std::vector<OptimizerCost>& costs) {
+  TORCH_CHECK(!costs.empty(), "memfit: the optimizer's cost was not measured");
+  PlanRequest r = setup.request;
+  r.optimizer = costs.front();
+  r.optimizer_alternatives.assign(costs.begin() + 1, costs.end());
+  r.step.optimizer.state = costs.size() > 1 ? StatePrecision::kAuto : costs.front().state;
   return r;
+}
+
+// A PlanAsk's field of its step, as a Python property.
+template <typename T>
+void step_field(py::class_<PlanAsk>& c, const char* name, T StepConfig::*field) {
+  c.def_property(name, [field](const PlanAsk& a) { return a.step.*field; }, [field](PlanAsk& a, T v) { a.step.*field = v; });
+}
+
+void bind_request(py::module_& m) {
+  py::class_<PlanAsk> ask(m, "PlanAsk");
+  ask.def(py::init([] {
+        PlanAsk a;
+        a.activations_movable = false;  // Python's autograd keeps saved activations where they were made
+        a.step.set_to_none = true;
+        return a;
+      }))
+      .def_readwrite("budget_bytes", &PlanAsk::budget_bytes)
+      .def_readwrite("margin", &PlanAsk::margin)
+      .def_readwrite("precisions", &PlanAsk::precisions)
+      .def_readwrite("offload", &PlanAsk::offload)
+      .def_readwrite("host_budget_bytes", &PlanAsk::host_budget_bytes)
+      .def_readwrite("resident_bytes", &PlanAsk::resident_bytes)
+      .def_readwrite("outside_bytes", &PlanAsk::outside_bytes)
+      .def_property("device", [](const PlanAsk& a) { return a.step.device.str(); },
+                    [](PlanAsk& a, const std::string& d) { a.step.device = c10::Device(d); })
+      .def_property("optimizer_family", [](const PlanAsk& a) { return std::string(optimizer_family_name(a.step.optimizer.family)); },
+                    [](PlanAsk& a, const std::string& f) { a.step.optimizer.family = parse_optimizer_family(f); })
+      .def_property("optimizer_state", [](const PlanAsk& a) { return std::string(state_precision_name(a.step.optimizer.state)); },
+                    [](PlanAsk& a, const std::string& s) { a.step.optimizer.state = parse_state_precision(s); })
+      .def_property("lr", [](const PlanAsk& a) { return a.step.optimizer.lr; }, [](PlanAsk& a, double lr) { a.step.optimizer.lr = lr; });
+  step_field(ask, "batch", &StepConfig::batch);
+  step_field(ask, "micro_batch", &StepConfig::micro_batch);
+  py::class_<PlanRequest>(m, "PlanRequest");
+  py::class_<PlanSetup>(m, "PlanSetup")
+      .def_readonly("notes", &PlanSetup::notes)
+      .def_property_readonly("precisions", [](const PlanSetup& s) {
+        std::vector<std::string> names;
+        for (Precision p : s.precisions) names.push_back(precision_name(p));
+        return names;
+      })
+      .def("request", &request_with_costs, py::arg("optimizer_costs"));
+  m.def("set_up_plan", &set_up_plan);
+  m.def("below_floor_text", &below_floor_text);
 }
 
 }  // namespace
@@ -88,7 +102,8 @@ py::dict plan_dict(const Plan& p) {
 
 namespace {
 
-void bind_costs(py::module_& m) {
+// A block's costs in the schedule's terms, and the profile of one micro-batch size.
+void bind_block_costs(py::module_& m) {
   py::class_<BlockCost>(m, "BlockCost")
       .def(py::init<>())
       .def_readwrite("forward_seconds", &BlockCost::forward_seconds)
@@ -126,6 +141,11 @@ void bind_costs(py::module_& m) {
       .def_readwrite("blocks", &ChainProfile::blocks)
       .def_readwrite("moments", &ChainProfile::moments)
       .def_readwrite("forward_nograd_seconds", &ChainProfile::forward_nograd_seconds);
+}
+
+// A precision's profiles, the workload's, and the optimizer's costs.
+void bind_costs(py::module_& m) {
+  bind_block_costs(m);
   py::class_<PrecisionProfile>(m, "PrecisionProfile")
       .def(py::init([](const std::string& precision) {
         PrecisionProfile p;
@@ -176,22 +196,8 @@ void bind_costs(py::module_& m) {
 }
 
 void bind_planner(py::module_& m) {
-  py::class_<RequestOptions>(m, "RequestOptions")
-      .def(py::init<>())
-      .def_readwrite("batch", &RequestOptions::batch)
-      .def_readwrite("micro_batch", &RequestOptions::micro_batch)
-      .def_readwrite("device", &RequestOptions::device)
-      .def_readwrite("optimizer_family", &RequestOptions::optimizer_family)
-      .def_readwrite("optimizer_state", &RequestOptions::optimizer_state)
-      .def_readwrite("lr", &RequestOptions::lr)
-      .def_readwrite("optimizer_costs", &RequestOptions::optimizer_costs)
-      .def_readwrite("resident_bytes", &RequestOptions::resident_bytes)
-      .def_readwrite("outside_bytes", &RequestOptions::outside_bytes)
-      .def_readwrite("margin", &RequestOptions::margin)
-      .def_readwrite("offload", &RequestOptions::offload)
-      .def_readwrite("host_budget_bytes", &RequestOptions::host_budget_bytes);
   py::class_<Planner>(m, "Planner")
-      .def(py::init([](const WorkloadProfile& profile, const RequestOptions& o) { return Planner(profile, make_request(o)); }))
+      .def(py::init<WorkloadProfile, PlanRequest>())
       .def("plan",
            [](const Planner& p, int64_t budget) {
              Plan plan;
@@ -242,6 +248,7 @@ void bind_planner(py::module_& m) {
 
 void bind_plan(py::module_& m) {
   bind_costs(m);
+  bind_request(m);
   bind_planner(m);
 }
 

@@ -5,8 +5,12 @@
 
 #include <torch/version.h>
 
+#include <map>
+#include <string>
+
 #include "bindings.h"
 #include "memfit/errors.h"
+#include "memfit/plan/plan.h"
 
 namespace py = pybind11;
 
@@ -15,7 +19,22 @@ PyObject* memfit::python::out_of_memory_type() {
   return type;
 }
 
+void memfit::python::throw_if_out_of_memory(const py::error_already_set& error) {
+  if (!error.matches(out_of_memory_type())) return;
+  throw c10::OutOfMemoryError(c10::SourceLocation{__func__, __FILE__, static_cast<uint32_t>(__LINE__)},
+                              py::str(error.value()).cast<std::string>());
+}
+
 namespace {
+
+// An option as memfit's Python functions name their argument ("precisions", not the core's
+// "precision"), said in their style: "precisions 'fp64': expected fp32, bf16 or fp16".
+std::string in_python_terms(const memfit::OptionError& e) {
+  static const std::map<std::string, std::string> arguments = {{"precision", "precisions"},
+                                                               {"optimizer.state", "optimizer_state"}};
+  const auto it = arguments.find(e.option());
+  return (it != arguments.end() ? it->second : e.option()) + " " + e.value() + ": " + e.expected();
+}
 
 void translate(std::exception_ptr p) {
   try {
@@ -25,7 +44,7 @@ void translate(std::exception_ptr p) {
   } catch (const c10::Error& e) {
     PyErr_SetString(PyExc_RuntimeError, e.what_without_backtrace());
   } catch (const memfit::OptionError& e) {
-    PyErr_SetString(PyExc_ValueError, e.what());
+    PyErr_SetString(PyExc_ValueError, in_python_terms(e).c_str());
   }
 }
 
@@ -35,6 +54,7 @@ PYBIND11_MODULE(_C, m) {
   m.doc() = "memfit's C++ core: exact allocator bytes, the budget, the planner, 8-bit optimizer state";
   m.attr("torch_version") = TORCH_VERSION;
   m.attr("with_cuda") = MEMFIT_WITH_CUDA != 0;
+  m.attr("plan_margin") = memfit::kPlanMargin;
   memfit::python::out_of_memory_type();
   py::register_exception_translator(&translate);
   memfit::python::bind_measure(m);

@@ -10,6 +10,10 @@ namespace memfit::python {
 // torch.cuda.OutOfMemoryError: what an allocation past the budget raises in Python.
 PyObject* out_of_memory_type();
 
+// Where a Python call raised an out-of-memory error: the C++ one in its place (its message kept),
+// so that the core tells it from the model's other errors, which pass through as they are.
+void throw_if_out_of_memory(const pybind11::error_already_set& error);
+
 // A plan as the Python package reads it (bind_plan.cpp).
 pybind11::dict plan_dict(const Plan& plan);
 

@@ -87,3 +87,46 @@ def test_an_interrupt_while_measuring_leaves_the_model_as_it_was():
     with pytest.raises(KeyboardInterrupt):
         memfit.plan(model, opt, interrupted, batch, "1GiB", progress=False)
     assert_unchanged(model, before)
+
+
+@pytest.mark.parametrize("budget, expected", [(2 ** 70, "^budget 1180591620717411303424: expected at most"),
+                                               (0, "^budget 0: expected a positive number of bytes"),
+                                               (True, "^budget True: expected bytes as an int")])
+def test_a_budget_out_of_range_is_one_line_naming_it(budget, expected):
+    model, opt, batch, loss_fn = case("mlp")
+    with pytest.raises(ValueError, match=expected) as e:
+        memfit.plan(model, opt, loss_fn, batch, budget, progress=False)
+    assert "\n" not in str(e.value)
+
+
+def test_an_optimizer_over_other_parameters_is_refused():
+    model, _, batch, loss_fn = case("mlp")
+    other = torch.optim.AdamW(torch.nn.Linear(4, 4).parameters())
+    before = snapshot(model)
+    with pytest.raises(ValueError, match="^optimizer AdamW: holds none of the model's trainable parameters"):
+        memfit.plan(model, other, loss_fn, batch, "1GiB", progress=False)
+    assert_unchanged(model, before)
+
+
+def test_apply_without_a_plan_names_it():
+    model, opt, _, _ = case("mlp")
+    with pytest.raises(ValueError, match="^plan NoneType: expected the memfit.Plan"):
+        memfit.apply(model, opt, None)
+
+
+def test_an_empty_batch_names_it():
+    model, opt, batch, loss_fn = case("mlp")
+    empty = tuple(t[:0] for t in batch) if isinstance(batch, tuple) else {k: v[:0] for k, v in batch.items()}
+    with pytest.raises(ValueError, match="^batch: 0 samples along dimension 0"):
+        memfit.plan(model, opt, loss_fn, empty, "1GiB", progress=False)
+
+
+@pytest.mark.parametrize("argument, value, expected", [
+    ("precisions", ("fp64",), r"^precisions 'fp64': expected fp32, bf16 or fp16"),
+    ("margin", 0.9, r"^margin 0.9: expected a fraction of the budget from 0 to 0.5"),
+    ("offload", "activations", r"^offload 'activations': expected none, optimizer or auto"),
+])
+def test_a_bad_option_is_named_in_python_terms(argument, value, expected):
+    model, opt, batch, loss_fn = case("mlp")
+    with pytest.raises(ValueError, match=expected):
+        memfit.plan(model, opt, loss_fn, batch, "1GiB", progress=False, **{argument: value})

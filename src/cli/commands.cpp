@@ -152,20 +152,26 @@ int run_plan_command(WorkloadFlags& wf, const StepFlags& sf, const PlanFlags& f)
   check_option(f.verify_steps >= 2, "verify_steps", f.verify_steps, "expected 2 or more (the first step only warms up)");
   const int64_t budget = parse_budget(f.budget);
   Workload w = build_workload(wf);
+  PlanAsk ask;
+  ask.step = step_config(sf, w.chain->size());
+  make_8bit_maps_if_used(ask.step.optimizer, ask.step.device);  // before the tracker: resident, not tracked
   auto tracker = std::make_shared<MemoryTracker>();
   TrackerScope scope(tracker);
   adopt_tensors(*tracker, w.chain->parameters());
   adopt_tensors(*tracker, w.chain->buffers());
+  ask.budget_bytes = budget;
+  ask.precisions = {sf.precision};
+  ask.offload = f.offload;
+  ask.host_budget_bytes = f.host_budget.empty() ? 0 : parse_size_flag("--host-budget", f.host_budget);
+  ask.checkpoint = pinned_checkpoint(sf.checkpoint, w.chain->size());
+  // What else the budget counts (the user's data tensors, 8-bit maps): planned for, and measured with.
+  ask.resident_bytes = untracked_bytes(*tracker, ask.step.device);
+  const OutsideMemory outside = outside_memory_on(ask.step.device);
+  ask.outside_bytes = outside.total();  // on CUDA it counts against the budget too
+  PlanSetup setup = set_up_plan(ask);
   PlanJobOptions o;
-  o.request.budget_bytes = budget;
-  o.request.step = step_config(sf, w.chain->size());
-  // What else the budget counts (the user's data tensors): planned for, and measured with.
-  o.request.resident_bytes = untracked_bytes(*tracker, o.request.step.device);
-  o.request.checkpoint = pinned_checkpoint(sf.checkpoint, w.chain->size());
-  request_offload(o.request, parse_offload_mode(f.offload), f.host_budget.empty() ? 0 : parse_size_flag("--host-budget", f.host_budget));
-  const OutsideMemory outside = outside_memory_on(o.request.step.device);
-  o.request.outside_bytes = outside.total();  // on CUDA it counts against the budget too
-  o.precisions = precision_candidates(sf.precision, o.request.step.device.type());
+  o.request = std::move(setup.request);
+  o.precisions = std::move(setup.precisions);
   o.cache = profile_cache_options(sf);
   o.reserved_fit = reserved_fit_for(o.request.step.device);
   w.chain->to(o.request.step.device);
@@ -178,6 +184,7 @@ int run_plan_command(WorkloadFlags& wf, const StepFlags& sf, const PlanFlags& f)
   const bool verified = f.verify && plan.feasible;
   if (verified) v = verify_plan(w, job.planner(), plan, *tracker, /*measure_plain=*/true, f.verify_steps, &batch);
   const CostsSource& source = job.source();
+  plan.notes.insert(plan.notes.begin(), setup.notes.begin(), setup.notes.end());
   plan.notes.insert(plan.notes.begin(), source.notes.begin(), source.notes.end());
   plan.notes.insert(plan.notes.begin(), w.notes.begin(), w.notes.end());
   if (f.json) {
@@ -195,9 +202,7 @@ int run_plan_command(WorkloadFlags& wf, const StepFlags& sf, const PlanFlags& f)
                            source.seconds, solve_s));
   }
   if (plan.feasible) return 0;
-  std::fprintf(stderr, "memfit: budget %s is below the floor: the smallest budget any plan reaches is %s (%lld bytes)\n",
-               format_bytes(plan.budget_bytes).c_str(), format_bytes(plan.floor_bytes).c_str(),
-               static_cast<long long>(plan.floor_bytes));
+  std::fprintf(stderr, "memfit: %s\n", in_flag_terms(below_floor_text(job.planner(), plan.budget_bytes)).c_str());
   return 1;
 }
 

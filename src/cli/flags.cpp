@@ -32,6 +32,7 @@ void add_workload_flags(CLI::App& app, WorkloadFlags& f) {
 void add_step_flags(CLI::App& app, StepFlags& f, bool planned) {
   f.precision = planned ? "auto" : "fp32";
   f.checkpoint = planned ? "auto" : "none";
+  f.optimizer_state = planned ? "auto" : "fp32";  // as memfit.plan's: 8-bit where it pays
   app.add_option("--batch", f.batch, "samples per optimizer step")->capture_default_str();
   app.add_option("--micro-batch", f.micro_batch,
                  planned ? "pin the micro-batch size (default: planned)" : "samples per micro-batch (gradient accumulation)");

@@ -34,7 +34,7 @@ struct StepFlags {
   std::optional<double> weight_decay;
   bool large_weight_decay = false;  // accept --weight-decay >= 1
   std::string betas = "0.9,0.999";
-  std::string optimizer_state = "fp32";  // fp32 | 8bit | auto (report: fp32 | 8bit)
+  std::string optimizer_state;  // plan and train: auto (8bit | fp32); report: fp32 (| 8bit)
   std::string profile_cache;  // plan and train: a directory, or none ("": the default one)
   bool replan = false;        // plan and train: measure even when the cache holds the measurements
 };

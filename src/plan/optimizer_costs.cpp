@@ -23,7 +23,7 @@ OptimizerCost measure_optimizer(const OptimizerSpec& spec, const std::vector<at:
     for (auto p : params) p.mutable_grad() = at::zeros_like(p);
   }
   // 8-bit state: its maps are made first (once per process), so that the step measures the
-  // state alone; they stay alive, so the cost counts their bytes too.
+  // state alone; the fronts count them among the resident bytes (make_8bit_maps_if_used).
   if (cost.state == StatePrecision::k8Bit) {
     dynamic_map(true, params.front().device());
     dynamic_map(false, params.front().device());

@@ -147,6 +147,14 @@ void check_optimizer_spec(const OptimizerSpec& s) {
                "8-bit state applies to adam and adamw, not " + family + " (fp32 or auto)");
 }
 
+void make_8bit_maps_if_used(const OptimizerSpec& spec, c10::Device device) {
+  const bool may_be_8bit = spec.state == StatePrecision::k8Bit ||
+                           (spec.state == StatePrecision::kAuto && has_8bit_state(spec.family));
+  if (!may_be_8bit) return;
+  dynamic_map(true, device);
+  dynamic_map(false, device);
+}
+
 std::unique_ptr<Optimizer> make_optimizer(const OptimizerSpec& s, std::vector<at::Tensor> params) {
   check_optimizer_spec(s);
   const double wd = s.effective_weight_decay();

@@ -137,6 +137,7 @@ void Trainer::dump_weights_at_summary(std::string path) { impl_->dump_weights = 
 void Trainer::set_up() {
   Impl& t = *impl_;
   check_train_options(t.options, t.workload);
+  make_8bit_maps_if_used(t.options.step.optimizer, t.options.step.device);  // before the tracker: resident, not tracked
   t.memory = std::make_unique<TrainingMemory>(t.options.step.device);  // (before the model moves there)
   Chain& chain = *t.workload.chain;
   chain.to(t.options.step.device);
@@ -144,8 +145,8 @@ void Trainer::set_up() {
   t.parameter_bytes = memfit::parameter_bytes(chain);
   adopt_tensors(*t.memory->tracker, chain.parameters());  // the caller built them before this tracker existed
   adopt_tensors(*t.memory->tracker, chain.buffers());
-  // What else the budget counts from the start (the caller's data tensors, say; on CUDA also
-  // the cuBLAS workspace of this thread): the plan reserves it, and reported peaks include it.
+  // What else the budget counts from the start (the caller's data tensors, say, the 8-bit maps;
+  // on CUDA also the cuBLAS workspace of this thread): the plan reserves it, and reported peaks include it.
   t.memory->resident_bytes = untracked_bytes(*t.memory->tracker, t.options.step.device);
   t.strategy = make_strategy(t.options.distributed, chain);
   t.local = t.strategy->local_slice(t.options.step.batch);

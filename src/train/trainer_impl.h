@@ -65,6 +65,7 @@ struct TrainOptimizer {
 
 struct TrainPlan {
   std::optional<PlanJob> job;
+  std::vector<std::string> notes;  // what the request left out (set_up_plan)
   Plan plan;
   int64_t budget = 0;
   double seconds = 0;  // planning took

@@ -4,6 +4,7 @@
 #include <torch/torch.h>
 
 #include "memfit/errors.h"
+#include "memfit/plan/plan_ask.h"
 #include "memfit/measure/size.h"
 #include "memfit/techniques/cache.h"
 #include "memfit/techniques/rng.h"
@@ -12,15 +13,22 @@
 namespace memfit {
 
 void Trainer::Impl::make_plan_job() {
+  PlanAsk ask;
+  ask.budget_bytes = options.budget_bytes;  // 0: the default budget, chosen once the costs are known
+  ask.precisions = {options.pin_precision ? precision_name(options.step.precision) : "auto"};
+  ask.offload = offload_mode_name(options.offload);
+  ask.host_budget_bytes = options.host_budget_bytes;
+  ask.step = options.step;
+  ask.step.batch = local.length;
+  ask.step.micro_batch = std::min(options.step.micro_batch, local.length);
+  if (options.pin_checkpoint) ask.checkpoint = options.step.checkpoint;
+  ask.resident_bytes = memory->resident_bytes;
+  ask.outside_bytes = memory->outside.total();
+  PlanSetup setup = set_up_plan(ask);
+  plan.notes = std::move(setup.notes);
   PlanJobOptions o;
-  o.precisions = options.pin_precision ? std::vector<Precision>{options.step.precision}
-                                       : precision_candidates("auto", options.step.device.type());
-  o.request.step = options.step;
-  o.request.step.batch = local.length;
-  if (options.pin_checkpoint) o.request.checkpoint = options.step.checkpoint;
-  o.request.resident_bytes = memory->resident_bytes;
-  o.request.outside_bytes = memory->outside.total();
-  request_offload(o.request, options.offload, options.host_budget_bytes);
+  o.precisions = std::move(setup.precisions);
+  o.request = std::move(setup.request);
   o.optimized = strategy->optimized_parameters();
   o.cache = options.profile_cache;
   o.time_micro_batches = strategy->times_micro_batches_alone();
@@ -35,6 +43,7 @@ void Trainer::Impl::make_plan_job() {
 
 void Trainer::Impl::choose_plan() {
   std::vector<std::string> notes = plan.job->source().notes;
+  notes.insert(notes.end(), plan.notes.begin(), plan.notes.end());
   plan.budget = options.budget_bytes;
   if (plan.budget == 0) {
     std::string why;
@@ -65,9 +74,7 @@ void Trainer::Impl::choose_plan() {
                                  " bytes) is below what offloading the optimizer holds there: " + format_bytes(host) +
                                  " (" + std::to_string(host) + " bytes)");
       }
-      throw std::runtime_error("budget " + format_bytes(plan.budget) + " (" + std::to_string(plan.budget) +
-                               " bytes) is below what any plan needs: the smallest budget that works is " +
-                               format_bytes(plan.plan.floor_bytes) + " (" + std::to_string(plan.plan.floor_bytes) + " bytes)");
+      throw std::runtime_error(below_floor_text(planner, plan.budget));
     }
   }
   plan.plan.notes.insert(plan.plan.notes.begin(), notes.begin(), notes.end());

@@ -9,11 +9,11 @@ trap 'rm -rf "$dir"' EXIT
 cd "$dir" || exit 1
 model=(--layers 2 --d-model 64 --heads 4 --seq 32 --batch 8)
 tiny=("${model[@]}" --no-progress)
-pinned=(--micro-batch 4 --checkpoint none --precision fp32 --budget 64MiB)
+pinned=(--micro-batch 4 --checkpoint none --precision fp32 --optimizer-state fp32 --budget 64MiB)
 source "$(dirname "$(realpath "$0")")/lib.sh"
 
 # 1. Small shapes and defaults complete, evaluation included (it runs under the plan's budget).
-"$memfit" train "${tiny[@]}" --precision fp32 --budget 2MiB --steps 5 --eval-every 5 --json-log eval.jsonl > eval.out 2>&1 \
+"$memfit" train "${tiny[@]}" --precision fp32 --budget 3MiB --steps 5 --eval-every 5 --json-log eval.jsonl > eval.out 2>&1 \
   && [ "$(summary eval.jsonl type)" = summary ] && ok || bad "gpt at 2MiB with evaluation: $(tail -2 eval.out)"
 "$memfit" train --model cnn --blocks 1 --channels 8 --batch 8 --steps 5 --no-progress --report "" > cnn.out 2>&1 && ok \
   || bad "cnn with its default budget: $(tail -2 cnn.out)"

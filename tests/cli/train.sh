@@ -6,7 +6,7 @@ memfit=$1
 dir=$(mktemp -d)
 trap 'rm -rf "$dir"' EXIT
 small=(--layers 2 --d-model 64 --heads 4 --seq 32 --batch 8 --no-progress --eval-every 4 --eval-batches 2)
-pinned=(--micro-batch 4 --checkpoint none --precision fp32)
+pinned=(--micro-batch 4 --checkpoint none --precision fp32 --optimizer-state fp32)
 pass=0; fail=0
 ok() { pass=$((pass+1)); }
 bad() { fail=$((fail+1)); echo "FAILED: $*"; }
@@ -42,7 +42,7 @@ PY
 
 # 3. A real over-budget case: a pinned micro-batch the budget cannot hold, even recomputing
 #    every block, is split and finishes under the budget with every sample.
-"$memfit" train "${small[@]}" --micro-batch 8 --checkpoint none --precision fp32 --steps 4 --budget 2300KiB --json-log "$dir/real.jsonl" > "$dir/real.out" 2>&1 || bad "real over-budget run failed: $(tail -3 "$dir/real.out")"
+"$memfit" train "${small[@]}" --micro-batch 8 --checkpoint none --precision fp32 --optimizer-state fp32 --steps 4 --budget 2300KiB --json-log "$dir/real.jsonl" > "$dir/real.out" 2>&1 || bad "real over-budget run failed: $(tail -3 "$dir/real.out")"
 grep -q "split into" "$dir/real.out" && ok || bad "real over-budget run did not split: $(cat "$dir/real.out")"
 py "$dir/real.jsonl" <<'PY' && ok || bad "real over-budget recovery"
 import json, sys

@@ -122,7 +122,7 @@ grep -q "2 ranks at ZeRO stage 3" report.out && grep -q "the largest block gathe
 # 4. A budget B below the single-process floor: one process cannot train, 2 ranks at stage 3
 #    can, saving every step and resuming, each rank's peak under B. The model is weight-heavy
 #    (AdamW: 16 bytes per parameter).
-heavy=(--layers 4 --d-model 256 --heads 4 --seq 16 --batch 4 --dropout 0 --precision fp32)
+heavy=(--layers 4 --d-model 256 --heads 4 --seq 16 --batch 4 --dropout 0 --precision fp32 --optimizer-state fp32)
 "$memfit" plan "${heavy[@]}" --budget 1MiB > floor.out 2>&1
 floor=$(grep -o "smallest budget that works is [^(]*(\([0-9]*\) bytes)" floor.out | grep -o "([0-9]*" | tr -d '(' | head -1)
 if [ -z "$floor" ]; then

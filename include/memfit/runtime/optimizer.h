@@ -72,6 +72,11 @@ void check_optimizer_spec(const OptimizerSpec& spec);
 // 8-bit state; auto builds the fp32 one (what auto means until a plan resolves it).
 std::unique_ptr<torch::optim::Optimizer> make_optimizer(const OptimizerSpec& spec, std::vector<at::Tensor> parameters);
 
+// Makes the 8-bit state's code maps on `device` where `spec` may keep 8-bit state (8bit, or auto
+// for Adam and AdamW). They stay for the process's life (dynamic_map): made before the resident
+// bytes are read, a plan counts them as memory held from the start, as the budget then sees them.
+void make_8bit_maps_if_used(const OptimizerSpec& spec, c10::Device device);
+
 // The one JSON form: {"family", "lr", "momentum", "weight_decay", "betas", "state"}.
 nlohmann::json optimizer_spec_json(const OptimizerSpec& spec);
 OptimizerSpec optimizer_spec_from_json(const nlohmann::json& json);
