@@ -6,10 +6,12 @@ import torch
 
 from memfit import _batch, _calls
 from memfit._budget import budget as budget_context
+from memfit._cache_off import CacheOff
 from memfit._checkpoint import Checkpointing
 from memfit._compiled import check_not_compiled
 from memfit._loader import load
 from memfit._parts import autocast, scalar_loss
+from memfit._plan import Plan
 from memfit._offload import OptimizerOffload
 from memfit._optim8bit import Adam8bit
 from memfit._progress import Observer, note
@@ -20,15 +22,6 @@ _C = load()
 _applied = weakref.WeakKeyDictionary()  # model -> its Step
 
 
-def is_out_of_memory(error):
-    """Whether an exception is an out-of-memory error: a GPU's, or memfit's budget on the CPU
-    (which raises torch.cuda.OutOfMemoryError too)."""
-    oom = getattr(torch.cuda, "OutOfMemoryError", None)
-    if oom is not None:
-        return isinstance(error, oom)
-    return isinstance(error, RuntimeError) and "out of memory" in str(error)  # torch < 1.13
-
-
 def _grad_scaler(precision, device):
     """PyTorch's GradScaler where fp16 needs one (CUDA), else None."""
     if precision != "fp16" or device.type != "cuda":
@@ -36,14 +29,6 @@ def _grad_scaler(precision, device):
     if hasattr(torch, "amp") and hasattr(torch.amp, "GradScaler"):
         return torch.amp.GradScaler("cuda")
     return torch.cuda.amp.GradScaler()
-
-
-class _OutOfMemory(Exception):
-    """An out-of-memory error met in a micro-batch, its message kept (the failed graph is gone)."""
-
-    def __init__(self, message):
-        super().__init__(message)
-        self.message = message
 
 
 class Step:
@@ -91,7 +76,8 @@ class Step:
         self._gradient_holders = self.offload.masters if self.offload else self._parameters
         self._steps = 0
         # Always installed: a micro-batch redone after an out-of-memory error recomputes every block.
-        self.checkpointing = Checkpointing(plan._blocks, plan.segments)
+        self.checkpointing = Checkpointing(plan._blocks, plan.segments, plan.never_recomputed)
+        self._cache = CacheOff(model) if plan._cache_off else None
         self._intercept = _calls.Intercept(plan._blocks, self.checkpointing)
         for module in (b.first for b in plan._blocks):
             module.forward._memfit = True
@@ -173,62 +159,34 @@ class Step:
         return loss
 
     def _accumulate(self, batch):
-        """The micro-batch loop, its out-of-memory errors decided by memfit's C++ policy."""
+        """The micro-batch loop (memfit's C++ one, runtime/step.h), its out-of-memory errors decided
+        by memfit's C++ policy; each micro-batch run here."""
         samples = _batch.sample_count(batch)
         recovery = _C.SplitRecovery(samples, len(self.plan._blocks), lambda text: note(self.observer, text))
         self._steps += 1
         recovery.begin_step(self._steps, self.plan.segments, format_bytes(self.budget))
-        pending = list(recovery.micro_batches(min(self.micro_batch, samples)))
-        total, smallest = 0.0, samples
-        while pending:
-            current = pending.pop(0)
-            versions = self._gradient_versions()
-            rng = _C.capture_rng(str(self.device))
-            try:
-                total += self._micro_batch(_batch.narrow(batch, current.start, current.length), current.weight,
-                                           current.recompute_all)
-                smallest = min(smallest, current.length)
-                continue
-            except _OutOfMemory as e:
-                message = e.message
-            _C.restore_rng(rng)  # the failed attempt's random draws are taken back
-            decision = recovery.on_out_of_memory(current, self._release_touched(versions), message)
-            self.oom_splits += 1
-            if decision.restart_step:
-                pending, total = [], 0.0
-            pending = list(decision.next) + pending
+
+        def run(part):
+            return self._micro_batch(_batch.narrow(batch, part.start, part.length), part.weight, part.recompute_all)
+
+        # Offloaded, the device gradients backward left are released too where a micro-batch failed.
+        also_released = self._parameters if self.offload is not None else []
+        total, smallest = _C.accumulate_micro_batches(recovery, min(self.micro_batch, samples), run,
+                                                      list(self._gradient_holders), also_released, str(self.device))
+        self.oom_splits += recovery.recoveries
         if recovery.real_oom_in_step:
             self.micro_batch, always = recovery.next_steps(self.micro_batch, smallest, self.checkpointing.recomputes_all())
             self.checkpointing.recompute_all = always
         return total
 
-    def _gradient_versions(self):
-        return [p.grad._version if p.grad is not None else -1 for p in self._gradient_holders]
-
-    def _release_touched(self, versions):
-        """After an out-of-memory error: where it struck after gradients were accumulated, they are
-        released; returns whether they held sums of earlier micro-batches (only a restart is exact)."""
-        if self.offload is not None:
-            self.offload.release_device_gradients()
-        if self._gradient_versions() == versions:
-            return False
-        for p in self._gradient_holders:
-            p.grad = None
-        return any(v >= 0 for v in versions)
-
     def _micro_batch(self, micro, weight, recompute_all):
-        """Forward + backward of one micro-batch; raises _OutOfMemory on an out-of-memory error."""
+        """Forward + backward of one micro-batch, every block recomputed where the recovery says."""
         every_step = self.checkpointing.recompute_all  # set after a real out-of-memory error
         self.checkpointing.recompute_all = every_step or recompute_all
         try:
             return self._forward_backward(micro, weight)
-        except RuntimeError as e:
-            if not is_out_of_memory(e):
-                raise
-            message = str(e)
         finally:
             self.checkpointing.recompute_all = every_step
-        raise _OutOfMemory(message)  # raised here, outside the handler: the failed graph is gone
 
     def _forward_backward(self, micro, weight):
         """Forward + backward of one micro-batch, its loss weighted by its share of the samples;
@@ -253,6 +211,8 @@ class Step:
             return
         self._intercept.remove()
         self._intercept = None
+        if self._cache is not None:
+            self._cache.restore()
         self._give_optimizer_back()
         if _applied.get(self.model) is self:
             del _applied[self.model]
@@ -295,6 +255,8 @@ def apply(model, optimizer, plan, budget=None, progress=None):
         raise ValueError(f"model {type(model).__name__}: expected a torch.nn.Module")
     if not isinstance(optimizer, torch.optim.Optimizer):
         raise ValueError(f"optimizer {type(optimizer).__name__}: expected a torch.optim.Optimizer")
+    if not isinstance(plan, Plan):
+        raise ValueError(f"plan {type(plan).__name__}: expected the memfit.Plan that memfit.plan returned")
     _check_plan_fits_model(model, plan)
     if model in _applied or _calls.intercepted(model):
         raise ValueError("model: a plan is applied to it already (memfit.remove(model) first)")

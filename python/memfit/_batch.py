@@ -37,7 +37,10 @@ def sample_count(batch):
         listed = ", ".join(f"{path} has {n}" for n, path in counts.items())
         raise ValueError(f"batch: tensors hold different sample counts along dimension 0 ({listed}); "
                          "every tensor needs the same")
-    return next(iter(counts))
+    samples = next(iter(counts))
+    if samples == 0:
+        raise ValueError("batch: 0 samples along dimension 0; expected at least one")
+    return samples
 
 
 def narrow(batch, start, length):

@@ -41,9 +41,8 @@ void bind_offload(py::module_& m) {
       .def("step", &OptimizerOffload::step, py::arg("step"), py::call_guard<py::gil_scoped_release>());
 }
 
-}  // namespace
-
-void bind_step(py::module_& m) {
+// SplitRecovery (runtime/oom_recovery.h): what a step does after an out-of-memory error.
+void bind_recovery(py::module_& m) {
   py::class_<PendingMicroBatch>(m, "PendingMicroBatch")
       .def_property_readonly("start", [](const PendingMicroBatch& p) { return p.part.start; })
       .def_property_readonly("length", [](const PendingMicroBatch& p) { return p.part.length; })
@@ -86,6 +85,36 @@ void bind_step(py::module_& m) {
            })
       .def_property_readonly("real_oom_in_step", &SplitRecovery::real_oom_in_step)
       .def_property_readonly("recoveries", &SplitRecovery::recoveries);
+}
+
+}  // namespace
+
+void bind_step(py::module_& m) {
+  bind_recovery(m);
+  // The one micro-batch loop (runtime/step.h) over the step's micro-batches of size m, `run`
+  // running one in Python; returns (sum of weight * loss, the smallest micro-batch that completed).
+  m.def(
+      "accumulate_micro_batches",
+      [](SplitRecovery& recovery, int64_t m, const py::function& run, const std::vector<at::Tensor>& holders,
+         const std::vector<at::Tensor>& also_released, const std::string& device) {
+        MicroBatchLoop loop;
+        loop.device = c10::Device(device);
+        loop.gradient_holders = holders;
+        loop.also_released = also_released;
+        loop.recovery = &recovery;
+        const MicroBatchFn run_one = [&run](const PendingMicroBatch& part) {
+          try {
+            return run(part).cast<double>();
+          } catch (const py::error_already_set& e) {
+            throw_if_out_of_memory(e);
+            throw;
+          }
+        };
+        const StepResult r = accumulate_micro_batches(recovery.split(m), run_one, loop);
+        return py::make_tuple(r.loss, r.smallest_micro_batch);
+      },
+      py::arg("recovery"), py::arg("micro_batch"), py::arg("run"), py::arg("gradient_holders"),
+      py::arg("also_released"), py::arg("device"));
   bind_offload(m);
 }
 

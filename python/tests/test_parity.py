@@ -77,10 +77,10 @@ def _planner(profile, optimizer):
     the CLI's for both: the Python package's non-reentrant checkpoint keeps less in a segment
     (plan/step_costs.cpp), a difference of implementation, not of measurement."""
     profile = dict(profile, non_reentrant_checkpoint=False)
-    r = _C.RequestOptions()
-    r.batch, r.device, r.optimizer_family, r.optimizer_state, r.margin = BATCH, "cpu", "adamw", "fp32", 0.0
-    r.optimizer_costs = [_C.OptimizerCost(optimizer["state_bytes"], optimizer["step_bytes"], optimizer["seconds"], "fp32")]
-    return _C.Planner(_C.WorkloadProfile.from_json(json.dumps(profile)), r)
+    ask = _C.PlanAsk()
+    ask.batch, ask.device, ask.optimizer_family, ask.margin, ask.precisions = BATCH, "cpu", "adamw", 0.0, ["fp32"]
+    costs = [_C.OptimizerCost(optimizer["state_bytes"], optimizer["step_bytes"], optimizer["seconds"], "fp32")]
+    return _C.Planner(_C.WorkloadProfile.from_json(json.dumps(profile)), _C.set_up_plan(ask).request(costs))
 
 
 def test_the_blocks_measure_the_same_bytes(fronts):

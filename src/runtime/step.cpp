@@ -4,6 +4,7 @@
 
 #include <algorithm>
 #include <deque>
+#include <limits>
 
 #include "memfit/measure/memory_tracker.h"
 #include "memfit/techniques/evaluation.h"
@@ -43,36 +44,33 @@ double forward_backward(Workload& w, const Batch& part, double weight, const Ste
   return value;
 }
 
-StepResult accumulate_gradients(Workload& w, const Batch& batch, const std::vector<MicroBatch>& parts,
-                                const StepOptions& o) {
+StepResult accumulate_micro_batches(const std::vector<MicroBatch>& parts, const MicroBatchFn& run,
+                                    const MicroBatchLoop& loop) {
   StepResult r;
-  const auto params = w.chain->parameters();
-  const auto& holders = o.gradient_holders.empty() ? params : o.gradient_holders;
   std::deque<PendingMicroBatch> pending;
   for (const auto& part : parts) pending.push_back({part, false});
-  r.smallest_micro_batch = batch.size();
+  r.smallest_micro_batch = std::numeric_limits<int64_t>::max();
   while (!pending.empty()) {
     const PendingMicroBatch current = pending.front();
-    const auto versions = grad_versions(holders);
-    const RngState rng = capture_rng(batch.input.device());
+    const auto versions = grad_versions(loop.gradient_holders);
+    const RngState rng = capture_rng(loop.device);
     try {
-      r.loss += forward_backward(w, batch.slice(current.part.start, current.part.length), current.part.weight, o,
-                                 current.recompute_all);
+      r.loss += run(current);
       ++r.micro_batches;
       r.smallest_micro_batch = std::min(r.smallest_micro_batch, current.part.length);
       pending.pop_front();
     } catch (const c10::OutOfMemoryError& e) {
-      if (o.recovery == nullptr) throw;
+      if (loop.recovery == nullptr) throw;
       restore_rng(rng);  // the failed attempt's random draws are taken back
       bool partial_sums = false;
-      if (grad_versions(holders) != versions) {
+      if (grad_versions(loop.gradient_holders) != versions) {
         // The failure came after gradients were accumulated: release them. Those of the
         // failed micro-batch alone are simply redone; sums over earlier ones are lost.
         partial_sums = std::any_of(versions.begin(), versions.end(), [](int64_t v) { return v >= 0; });
-        zero_grad(holders, true);
+        zero_grad(loop.gradient_holders, true);
       }
-      if (!o.gradient_holders.empty()) zero_grad(params, true);  // what offloading had not yet released
-      OomDecision d = o.recovery->on_out_of_memory(current, partial_sums, e);
+      zero_grad(loop.also_released, true);
+      OomDecision d = loop.recovery->on_out_of_memory(current, partial_sums, e);
       pending.pop_front();
       if (d.restart_step) {
         pending.clear();
@@ -81,6 +79,25 @@ StepResult accumulate_gradients(Workload& w, const Batch& batch, const std::vect
       pending.insert(pending.begin(), d.next.begin(), d.next.end());
     }
   }
+  if (r.micro_batches == 0) r.smallest_micro_batch = 0;
+  return r;
+}
+
+StepResult accumulate_gradients(Workload& w, const Batch& batch, const std::vector<MicroBatch>& parts,
+                                const StepOptions& o) {
+  MicroBatchLoop loop;
+  loop.device = batch.input.device();
+  const auto params = w.chain->parameters();
+  loop.gradient_holders = o.gradient_holders.empty() ? params : o.gradient_holders;
+  if (!o.gradient_holders.empty()) loop.also_released = params;  // what offloading had not yet released
+  loop.recovery = o.recovery;
+  StepResult r = accumulate_micro_batches(
+      parts,
+      [&](const PendingMicroBatch& p) {
+        return forward_backward(w, batch.slice(p.part.start, p.part.length), p.part.weight, o, p.recompute_all);
+      },
+      loop);
+  r.smallest_micro_batch = std::min(r.smallest_micro_batch, batch.size());
   return r;
 }
 

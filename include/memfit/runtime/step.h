@@ -79,8 +79,28 @@ at::Tensor forward_loss(Workload& workload, const Batch& part, const StepConfig&
 double forward_backward(Workload& workload, const Batch& part, double weight, const StepOptions& options,
                         bool recompute_all = false);
 
-// Forward + backward of every part of `batch` (weights as given), gradients accumulated; an
-// out-of-memory error goes to options.recovery. StepResult::loss: the sum of weight * loss.
+// One micro-batch's forward + backward, its weight * loss gradients accumulated; returns weight *
+// loss. Throws c10::OutOfMemoryError if memory runs out.
+using MicroBatchFn = std::function<double(const PendingMicroBatch& part)>;
+
+// What the micro-batch loop needs besides the parts and how to run one.
+struct MicroBatchLoop {
+  c10::Device device = c10::kCPU;             // whose random state a failed attempt takes back
+  std::vector<at::Tensor> gradient_holders;   // where the step's gradient sums are held
+  // Gradients released after an out-of-memory error besides the holders' (the model's own where
+  // the holders are the offloaded optimizer's masters).
+  std::vector<at::Tensor> also_released;
+  OomRecovery* recovery = nullptr;            // nullptr: an out-of-memory error propagates
+};
+
+// The one micro-batch loop (the C++ Trainer's and the Python package's step run it): each part
+// by `run`, gradients accumulated. After an out-of-memory error the failed attempt's random
+// draws are taken back, the gradients it touched released, and `loop.recovery` says what runs
+// next. StepResult::loss: the sum of weight * loss.
+StepResult accumulate_micro_batches(const std::vector<MicroBatch>& parts, const MicroBatchFn& run,
+                                    const MicroBatchLoop& loop);
+
+// That loop over every part of `batch` of the workload (weights as given).
 StepResult accumulate_gradients(Workload& workload, const Batch& batch, const std::vector<MicroBatch>& parts,
                                 const StepOptions& options);
 
