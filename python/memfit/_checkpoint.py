@@ -171,21 +171,22 @@ def _never_unpacked(packed):
 class Checkpointing:
     """The intercept handler (_calls.Intercept) that runs the planned segments checkpointed, or,
     while ``recompute_all`` is set (a micro-batch redone after an out-of-memory error, or every
-    step after a real one), every block in a segment of its own."""
+    step after a real one), every block in a segment of its own, but those `never` recomputes
+    (their forward changes state that outlives it)."""
 
-    def __init__(self, blocks, segments):
+    def __init__(self, blocks, segments, never=()):
         self.blocks = blocks
         self.segment_of = {}
         for first, last in segments:
             for i in range(first, last + 1):
                 self.segment_of[i] = (first, last)
-        self.each_block = {i: (i, i) for i in range(len(blocks))}
+        self.each_block = {i: (i, i) for i in range(len(blocks)) if i not in set(never)}
         self.recompute_all = False
         self.current = None
 
     def recomputes_all(self):
-        """Whether the planned segments recompute every block already."""
-        return len(self.segment_of) == len(self.blocks)
+        """Whether the planned segments recompute every block that may be already."""
+        return len(self.segment_of) == len(self.each_block)
 
     def __call__(self, index, args, kwargs, run):
         segment = (self.each_block if self.recompute_all else self.segment_of).get(index)

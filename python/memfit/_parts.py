@@ -46,6 +46,57 @@ def _saved_reads(observer, part):
     return torch.autograd.graph.saved_tensors_hooks(lambda t: t, read)
 
 
+_SCALARS = (int, float, bool, str, type(None))
+
+
+def _fingerprint(value, depth=3):
+    """What a value holds, to the depth given, comparable before and after a call: a tensor by its
+    identity and version, containers by their items, other objects by their attributes."""
+    if isinstance(value, torch.Tensor):
+        return ("tensor", id(value), value._version if not value.is_inference() else -1, tuple(value.shape))
+    if isinstance(value, _SCALARS):
+        return value
+    if depth == 0:
+        return (type(value).__name__, id(value))
+    if isinstance(value, (list, tuple)):
+        return (type(value).__name__, len(value), tuple(_fingerprint(v, depth - 1) for v in value))
+    if isinstance(value, dict):
+        return ("dict", tuple((k, _fingerprint(v, depth - 1)) for k, v in value.items() if isinstance(k, _SCALARS)))
+    fields = getattr(value, "__dict__", None)
+    if fields is None or isinstance(value, torch.nn.Module) or callable(value):
+        return (type(value).__name__, id(value))
+    return (type(value).__name__, tuple((k, _fingerprint(v, depth - 1)) for k, v in fields.items() if not callable(v)))
+
+
+def _module_state(module):
+    """A module's plain attributes (counters, flags), not its parameters, buffers or submodules."""
+    return {k: v for k, v in vars(module).items() if not k.startswith("_") and isinstance(v, _SCALARS + (list, dict))}
+
+
+class _StateWatch:
+    """What a block's call could change that outlives it: the objects it is handed (a key/value
+    cache), and its modules' plain attributes; `changed()` names the first that did."""
+
+    def __init__(self, block, args, kwargs):
+        self.handed = [(f"argument {i}", a) for i, a in enumerate(args)] + [(f"`{k}`", v) for k, v in kwargs.items()]
+        self.handed = [(name, v) for name, v in self.handed if not isinstance(v, (torch.Tensor, torch.nn.Module) + _SCALARS)]
+        self.modules = [(n, m) for b in block.modules for n, m in b.named_modules()]
+        self.before = self._now()
+
+    def _now(self):
+        return ([_fingerprint(v) for _, v in self.handed], [_fingerprint(_module_state(m)) for _, m in self.modules])
+
+    def changed(self):
+        handed, modules = self._now()
+        for (name, value), a, b in zip(self.handed, self.before[0], handed):
+            if a != b:
+                return f"its {name}, a {type(value).__name__}, changed"
+        for (name, _), a, b in zip(self.modules, self.before[1], modules):
+            if a != b:
+                return f"an attribute of its module {name or '(the block)'} changed"
+        return None
+
+
 class ModuleParts(_C.PartwiseModel):
     """loss_fn(model, batch) with the model's blocks as its parts."""
 
@@ -107,8 +158,12 @@ class ModuleParts(_C.PartwiseModel):
         def handler(index, args, kwargs, run):
             where = _calls.main_input(args, kwargs)
             observer.enter(index + 1, _calls.get_input(args, kwargs, where) if where else None)
+            state = _StateWatch(self.blocks[index], args, kwargs)
             with _saved_reads(observer, index + 1) if watch else contextlib.nullcontext():
                 out = run(args, kwargs)
+            changed = state.changed()
+            if changed:
+                observer.state_changed(index + 1, changed)
             if index == last:
                 observer.enter(index + 2, _calls.main_output(out))
             return out

@@ -50,11 +50,8 @@ class PyPartwiseModel : public PartwiseModel {
     py::gil_scoped_acquire gil;
     try {
       return call("forward")(run, observer).cast<at::Tensor>();
-    } catch (py::error_already_set& e) {
-      if (e.matches(out_of_memory_type())) {
-        throw c10::OutOfMemoryError(c10::SourceLocation{__func__, __FILE__, static_cast<uint32_t>(__LINE__)},
-                                    py::str(e.value()).cast<std::string>());
-      }
+    } catch (const py::error_already_set& e) {
+      throw_if_out_of_memory(e);
       throw;
     }
   }
@@ -75,7 +72,8 @@ void bind_model(py::module_& m) {
   py::class_<PartObserver>(m, "PartObserver")
       .def("enter", [](PartObserver& o, int part, std::optional<at::Tensor> input) { o.enter(part, input.value_or(at::Tensor())); })
       .def("watches_saved_reads", &PartObserver::watches_saved_reads)
-      .def("saved_tensor_read", &PartObserver::saved_tensor_read);
+      .def("saved_tensor_read", &PartObserver::saved_tensor_read)
+      .def("state_changed", &PartObserver::state_changed);
   py::class_<PartwiseModel, PyPartwiseModel>(m, "PartwiseModel").def(py::init<>());
   py::class_<ProfileOptions>(m, "ProfileOptions")
       .def(py::init<>())
@@ -102,10 +100,11 @@ void bind_profiler(py::module_& m) {
         return profile_parts_at(model, micro_batch, parse_precision(precision), *tracker.tracker);
       },
       py::arg("model"), py::arg("micro_batch"), py::arg("precision"), py::arg("tracker"));
-  // The plan, the sizes it (or a close rival) would run timed first on the model (job.h).
+  // The plan for the request's budget, the sizes it (or a close rival) would run timed first on
+  // the model (job.h).
   m.def(
       "plan_timing_as_needed",
-      [](Planner& planner, int64_t budget, PartwiseModel& model) {
+      [](Planner& planner, PartwiseModel& model) {
         const ChainTimer timer = [&model](Precision precision, const std::vector<int64_t>& sizes,
                                           const TimingReference& reference) {
           return time_step_sizes(model, precision, sizes, reference);
@@ -114,13 +113,13 @@ void bind_profiler(py::module_& m) {
         Plan plan;
         {
           py::gil_scoped_release release;
-          plan = plan_timing_as_needed(planner, budget, timer, &timed);
+          plan = plan_timing_as_needed(planner, 0, timer, &timed);
         }
         py::dict d = plan_dict(plan);
         d["sizes_timed"] = timed;
         return d;
       },
-      py::arg("planner"), py::arg("budget"), py::arg("model"));
+      py::arg("planner"), py::arg("model"));
 }
 
 }  // namespace

@@ -161,7 +161,7 @@ PartCosts part_costs(const PartwiseModel& model, const MemoryTracker& tracker, M
     c.backward_peak = std::max<int64_t>(0, r.backward_peak[i] - o.backward);
     c.param_bytes = r.gradient_bytes[i];
     c.cast_bytes = 0;  // measured inside the parts' own bytes (casts made as the step makes them)
-    c.recomputable = model.recomputable(static_cast<int>(i));
+    c.recomputable = model.recomputable(static_cast<int>(i)) && r.state_changes[i].empty();
     c.input_copy_bytes = r.input_copy_bytes[i];
     c.input_copy_kept = c.input_copy_bytes > 0 && keeps_input(r, i);
     // The gradient arriving for the output is inside the backward's peak (measured here with the

@@ -73,6 +73,7 @@ class PartRecorder final : public PartObserver, public std::enable_shared_from_t
     m_.first_read_live.assign(n, -1);
     m_.input_copy_bytes.assign(n, 0);
     m_.backward_storages.assign(n, {});
+    m_.state_changes.assign(n, "");
     watch_.resize(n);
     inputs_.assign(n, {});
   }
@@ -97,6 +98,10 @@ class PartRecorder final : public PartObserver, public std::enable_shared_from_t
   }
 
   bool watches_saved_reads() const override { return watch_reads_; }
+
+  void state_changed(int part, const std::string& what) override {
+    if (part >= 0 && part < count_ && m_.state_changes[part].empty()) m_.state_changes[part] = what;
+  }
 
   void saved_tensor_read(int part) override {
     if (part >= 0 && part < count_ && m_.first_read_live[part] < 0) m_.first_read_live[part] = tracker_.current(device_);

@@ -11,6 +11,7 @@
 #pragma once
 
 #include <cstdint>
+#include <string>
 #include <vector>
 
 #include "memfit/measure/memory_tracker.h"
@@ -55,6 +56,7 @@ struct PartsMeasured {
   std::vector<int64_t> first_read_live;  // at its backward's first read of a saved tensor (-1: none)
   std::vector<int64_t> input_copy_bytes; // PartwiseModel::input_copy_bytes of its input
   std::vector<StorageAt> input_storages;            // each part's input (none for the first)
+  std::vector<std::string> state_changes;           // what its forward changed that outlives it ("": none)
   std::vector<BackwardStorages> backward_storages;  // where the run had a backward
 };
 

@@ -61,6 +61,7 @@ class Profiler {
   ChainProfile chain_profile(Precision precision, int64_t m) {
     const PartRun run{m, precision, false};
     const PartsMeasured plain = measure_parts(model_, tracker_, device_, run, PartRunKind::kPlain);
+    note_state_changes(plain);
     PartCosts parts = part_costs(model_, tracker_, device_, plain);
     add_accumulating(parts, tracker_, device_, plain,
                      measure_parts(model_, tracker_, device_, run, PartRunKind::kAccumulating));
@@ -143,6 +144,9 @@ class Profiler {
     progress("timed");
   }
 
+  // A note for each part whose forward changes state that outlives it, once.
+  std::vector<std::string> take_notes() { return std::move(notes_); }
+
   void expect_steps(int total) { total_ = total; }
   void skip_steps(int n) { done_ += n; }
 
@@ -165,6 +169,14 @@ class Profiler {
     return base > 0 ? slow / base : 1.0;
   }
 
+  void note_state_changes(const PartsMeasured& r) {
+    for (size_t i = 0; i < r.state_changes.size(); ++i) {
+      if (r.state_changes[i].empty() || !noted_.insert(i).second || !model_.recomputable(static_cast<int>(i))) continue;
+      notes_.push_back(model_.part_name(static_cast<int>(i)) + " is never recomputed: its forward changes state that "
+                       "outlives it (" + r.state_changes[i] + "), which a recompute would change again");
+    }
+  }
+
   void progress(const std::string& what) {
     ++done_;
     if (options_.progress) options_.progress(std::min(done_, total_), total_, what);
@@ -175,6 +187,8 @@ class Profiler {
   MemoryDevice device_;
   const ProfileOptions& options_;
   int done_ = 0, total_ = 1;
+  std::vector<std::string> notes_;
+  std::unordered_set<size_t> noted_;
 };
 
 // Profiles one precision, or says why it is dropped: a mixed precision the model cannot run
@@ -237,6 +251,7 @@ WorkloadProfile profile_parts(PartwiseModel& model, const std::vector<Precision>
     if (p) profile.precisions.push_back(std::move(*p));
   }
   profiler.time_fastest(profile.precisions);
+  for (auto& text : profiler.take_notes()) profile.notes.push_back(std::move(text));
   return profile;
 }
 

@@ -36,6 +36,9 @@ class PartObserver {
   virtual bool watches_saved_reads() const = 0;
   // Backward reads a tensor part `part`'s forward saved (the first time is what counts).
   virtual void saved_tensor_read(int part) = 0;
+  // Part `part`'s forward changed state that outlives the call (`what`: a key/value cache it was
+  // handed and appended to, a counter of its module): it is not recomputed as if it were pure.
+  virtual void state_changed(int part, const std::string& what) = 0;
 };
 
 // One forward's settings: the first `samples` samples of the model's batch, at a precision, and

@@ -10,6 +10,7 @@ import torch
 
 from memfit import _apply, _calls
 from memfit._budget import budget as budget_context
+from memfit._cache_off import NOTE as CACHE_NOTE, CacheOff
 from memfit._progress import note
 
 _MISSING = object()
@@ -39,31 +40,12 @@ def register(model, step):
     _apply._applied[model] = step
 
 
-class CacheOff:
-    """Hugging Face models' key/value cache off while memfit trains them (``restore()`` puts it
-    back), as Hugging Face's own checkpointing turns it off: training reads no cache, and a
-    cache object passed to each layer is state that a recomputed layer would fill again, and
-    that the recording of its call would keep alive after the step."""
-
-    def __init__(self, model, observer):
-        self.configs = [c for c in {id(c): c for c in _configs(model)}.values() if c.use_cache]
-        for config in self.configs:
-            config.use_cache = False
-        if self.configs:
-            note(observer, "use_cache turned off for training (a recomputed layer would fill the key/value cache again)")
-
-    def restore(self):
-        for config in self.configs:
-            config.use_cache = True
-        self.configs = []
-
-
-def _configs(model):
-    """The configs of the Hugging Face models (a PretrainedConfig: `use_cache`, `to_dict`) among the modules."""
-    for module in model.modules():
-        config = getattr(module, "config", None)
-        if isinstance(getattr(config, "use_cache", None), bool) and hasattr(config, "to_dict"):
-            yield config
+def cache_off(model, observer):
+    """The models' key/value cache off while memfit trains them (memfit._cache_off), said."""
+    cache = CacheOff(model)
+    if cache.applies:
+        note(observer, CACHE_NOTE)
+    return cache
 
 
 def plain_batch(batch):

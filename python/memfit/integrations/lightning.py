@@ -152,7 +152,7 @@ class MemfitCallback(pl.Callback):
         _check_trainer(trainer, pl_module)
         _trainers.check_not_applied(pl_module, "the LightningModule")
         self._module, self._logs = pl_module, _MicroBatchLogs(pl_module)
-        self._cache = _trainers.CacheOff(pl_module, self.observer)
+        self._cache = _trainers.cache_off(pl_module, self.observer)
         self.plan = self._planned(trainer, pl_module)
         self.step = _ModuleStep(pl_module, trainer.optimizers[0], self.plan, self.budget_bytes, self.observer, self._logs)
         _trainers.register(pl_module, self.step)

@@ -58,7 +58,7 @@ def fit(trainer, budget, blocks=None, precisions=None, optimizer_state="auto", o
     batch_size = args.per_device_train_batch_size * args.gradient_accumulation_steps
     batch = _real_batch(trainer, batch_size)
     optimizer = trainer.optimizer if trainer.optimizer is not None else trainer.create_optimizer()
-    cache = _trainers.CacheOff(trainer.model, obs)
+    cache = _trainers.cache_off(trainer.model, obs)
     try:
         chosen = plan(trainer.model, optimizer, lambda model, b: trainer.compute_loss(model, b), batch, budget_bytes,
                       blocks=blocks, optimizer_state=optimizer_state, offload=offload, host_budget=host_budget,
