@@ -38,14 +38,7 @@ def library_sources():
     return [path for layer, path in rows if layer in PYTHON_LAYERS]
 
 
-BINDING_SOURCES = [
-    "python/src/bindings.cpp",
-    "python/src/bind_measure.cpp",
-    "python/src/bind_plan.cpp",
-    "python/src/bind_optim.cpp",
-    "python/src/bind_step.cpp",
-    "python/src/bind_profile.cpp",
-]
+BINDING_SOURCES = ["python/src/module.cpp"]  # the bind_*.cpp files, as one translation unit
 
 
 def torch_has_cuda():

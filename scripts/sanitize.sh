@@ -111,7 +111,7 @@ run "report --json --html, checkpoint, micro-batch, bf16" "$memfit" report "${ti
   --micro-batch 2 --precision bf16 --json --html "$smoke/report.html"
 run "report --world-size 2 --zero 2 --eval" "$memfit" report "${tiny[@]}" --world-size 2 --zero 2 --eval
 run "plan --no-verify" "$memfit" plan "${tiny[@]}" --budget 64MiB --no-verify
-run "plan (verified)" "$memfit" plan "${tiny[@]}" --budget 650KiB --precision fp32
+run "plan (verified)" "$memfit" plan "${tiny[@]}" --budget 650KiB --precision fp32 --optimizer-state fp32
 run "train 3 steps --save" "$memfit" train "${tiny[@]}" --steps 3 --save "$smoke/state" --save-every 1 --no-progress \
   --eval-every 2 --eval-batches 1 --json-log "$smoke/log.jsonl" --report "$smoke/train.html"
 run "train --resume to step 5" "$memfit" train "${tiny[@]}" --steps 5 --resume "$smoke/state" --save "$smoke/state" \

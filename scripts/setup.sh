@@ -3,6 +3,7 @@
 # Idempotent: packages already present are not fetched again.
 #   bash scripts/setup.sh            # release build in ./build
 #   BUILD_DIR=out bash scripts/setup.sh
+#   bash scripts/setup.sh --packages # the packages only
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -27,6 +28,7 @@ if ((${#missing[@]})); then
   $sudo_cmd apt-get update -qq
   DEBIAN_FRONTEND=noninteractive $sudo_cmd apt-get install -y -qq --no-install-recommends "${missing[@]}"
 fi
+[ "${1:-}" = --packages ] && exit 0  # (CI: the packages first, then the builds and a venv's downloads side by side)
 
 build_dir=${BUILD_DIR:-build}
 cmake -S . -B "$build_dir" -DCMAKE_BUILD_TYPE=Release >/dev/null

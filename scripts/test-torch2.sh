@@ -32,22 +32,8 @@ for d in /usr/local/cuda/bin /usr/local/cuda-13*/bin; do
 done
 command -v nvcc >/dev/null || { echo "test-torch2: nvcc not found (the CUDA 13 toolkit is needed to configure a CUDA LibTorch)" >&2; exit 1; }
 
-# Python 3.11 (the wheel is cp311): Debian 12's, or the first on PATH.
-python=python3
-"$python" -c 'import sys; assert sys.version_info[:2] == (3, 11)' 2>/dev/null || python=/usr/bin/python3
-if [ ! -x "$venv/bin/python" ]; then
-  if ! "$python" -m venv "$venv" 2>/dev/null; then
-    sudo_cmd=""; [ "$(id -u)" -eq 0 ] || sudo_cmd="sudo"
-    $sudo_cmd apt-get install -y -qq --no-install-recommends python3-venv
-    "$python" -m venv "$venv"
-  fi
-fi
 t0=$SECONDS
-if [ "$version" = newest ]; then
-  "$venv/bin/pip" install -q --disable-pip-version-check --upgrade torch numpy
-else
-  "$venv/bin/pip" install -q --disable-pip-version-check "torch==$version" numpy
-fi
+bash scripts/python-env.sh "$venv" "$version"  # (CI has it made while the first build compiles)
 echo "test-torch2: torch $("$venv/bin/python" -c 'import torch; print(torch.__version__)') installed in $venv ($((SECONDS - t0)) s)"
 torch_dir=$("$venv/bin/python" -c 'import os, torch; print(os.path.dirname(torch.__file__))')
 

@@ -5,11 +5,13 @@
 #include <c10/core/CPUAllocator.h>
 #include <c10/util/intrusive_ptr.h>
 
+#include <cmath>
 #include <memory>
 #include <optional>
 #include <string>
 
 #include "bindings.h"
+#include "memfit/errors.h"
 #include "memfit/measure/budget_allocator.h"
 #include "memfit/measure/cuda_budget.h"
 #include "memfit/measure/memory_tracker.h"
@@ -95,9 +97,36 @@ struct StorageWatch {
   bool alive() const { return !storage.expired(); }
 };
 
-}  // namespace
+// A size as Python gives it: bytes as an int (unbounded in Python: checked here, before any cast)
+// or an integer float, or a text parse_size reads; an OptionError naming `name` otherwise.
+int64_t size_bytes(py::handle size, const std::string& name) {
+  const std::string shown = py::repr(size).cast<std::string>();
+  const std::string expected = "expected bytes as an int or a size such as '2GiB' or '800MB'";
+  int64_t bytes = 0;
+  if (py::isinstance<py::str>(size)) {
+    try {
+      bytes = parse_size(size.cast<std::string>());
+    } catch (const OptionError& e) {
+      throw OptionError(name, shown, e.expected());
+    }
+  } else if (py::isinstance<py::int_>(size) && !py::isinstance<py::bool_>(size)) {
+    int overflow = 0;
+    bytes = PyLong_AsLongLongAndOverflow(size.ptr(), &overflow);
+    check_option(overflow == 0, name, shown, "expected at most 9223372036854775807 bytes");
+  } else if (py::isinstance<py::float_>(size)) {
+    const double value = size.cast<double>();
+    check_option(std::isfinite(value) && value == std::floor(value) && std::abs(value) <= 9.0e18, name, shown, expected);
+    bytes = static_cast<int64_t>(value);
+  } else {
+    throw OptionError(name, shown, expected);
+  }
+  check_option(bytes > 0, name, shown, "expected a positive number of bytes");
+  return bytes;
+}
 
-void bind_measure(py::module_& m) {
+
+// The CPU budget allocator and sizes.
+void bind_budget(py::module_& m) {
   m.def("install_budget_allocator", [] { BudgetAllocator::install(); },
         "Installs memfit's BudgetAllocator as LibTorch's CPU allocator (idempotent).");
   m.def("budget_bytes", [] { return BudgetAllocator::install().budget(); });
@@ -110,8 +139,11 @@ void bind_measure(py::module_& m) {
   m.def("unlimited_bytes", [] { return BudgetAllocator::kUnlimited; });
   m.def("counted_by_budget", &counted_by_budget);
   m.def("parse_size", &parse_size);
+  m.def("size_bytes", &size_bytes, py::arg("size"), py::arg("name"));
   m.def("format_bytes", &format_bytes);
+}
 
+void bind_tracker(py::module_& m) {
   py::class_<StorageWatch>(m, "StorageWatch").def(py::init<const at::Tensor&>()).def("alive", &StorageWatch::alive);
 
   // A tracker of one device: Tracker("cpu"), Tracker("cuda:0"); its counts are that device's.
@@ -152,7 +184,10 @@ void bind_measure(py::module_& m) {
     MemoryTracker* t = MemoryTracker::active();
     return t ? t->set_block(static_cast<int16_t>(tag)) : kNoBlock;
   });
+}
 
+// What a recording analyzed holds: the peak, its categories and phases, the report.
+void bind_analysis(py::module_& m) {
   py::class_<Analysis>(m, "Analysis")
       .def_property_readonly("peak_bytes", [](const Analysis& a) { return a.result.peak_bytes; })
       .def_property_readonly("peak_phase", [](const Analysis& a) { return std::string(phase_name(a.result.peak_phase)); })
@@ -178,7 +213,10 @@ void bind_measure(py::module_& m) {
         py::gil_scoped_release release;
         write_html_report(path, doc);
       });
+}
 
+// On CUDA: memory outside the allocator, its fraction cap; the RNG states a step restores.
+void bind_device_state(py::module_& m) {
   // Device memory the caching allocator does not hold (the CUDA context, cuBLAS's handle): what
   // a budget on CUDA leaves the allocator less of. Measured once per device by the caller.
   m.def("measure_outside_memory", [](int device) {
@@ -200,6 +238,15 @@ void bind_measure(py::module_& m) {
       .def_property_readonly("cpu_bytes", [](const RngState& s) { return static_cast<int64_t>(s.cpu.storage().nbytes()); });
   m.def("capture_rng", [](const std::string& device) { return capture_rng(c10::Device(device)); });
   m.def("restore_rng", &restore_rng);
+}
+
+}  // namespace
+
+void bind_measure(py::module_& m) {
+  bind_budget(m);
+  bind_tracker(m);
+  bind_analysis(m);
+  bind_device_state(m);
 }
 
 }  // namespace memfit::python

@@ -3,10 +3,12 @@
 set -u
 memfit=$1
 pass=0; fail=0
+errfile=$(mktemp)
+trap 'rm -f "$errfile"' EXIT
 check() {  # check "<args>" "<text expected in the error line>"
   local out err rc
-  err=$("$memfit" $1 2>&1 >/dev/null); rc=$?
-  out=$("$memfit" $1 2>/dev/null)
+  out=$("$memfit" $1 2>"$errfile"); rc=$?  # (one run: each loads LibTorch, about a second)
+  err=$(cat "$errfile")
   local lines; lines=$(printf '%s' "$err" | grep -c '')
   if [ $rc -ne 0 ] && [ "$lines" -eq 1 ] && [[ "$err" == *"$2"* ]] && [ -z "$out" ]; then
     pass=$((pass+1))
@@ -55,8 +57,8 @@ check "report --optimizer-state auto" "--optimizer-state 'auto'"
 # Issue 29: empty values of number and size flags, weight decay outside [0, 1) unless asked.
 check_argv() {  # check_argv "<text expected in the error line>" args... (each word as given, '' too)
   local expect=$1; shift
-  local err rc out; err=$("$memfit" "$@" 2>&1 >/dev/null); rc=$?
-  out=$("$memfit" "$@" 2>/dev/null)
+  local err rc out; out=$("$memfit" "$@" 2>"$errfile"); rc=$?
+  err=$(cat "$errfile")
   local lines; lines=$(printf '%s' "$err" | grep -c '')
   if [ $rc -ne 0 ] && [ "$lines" -eq 1 ] && [[ "$err" == *"$expect"* ]] && [ -z "$out" ]; then
     pass=$((pass+1))

@@ -65,7 +65,7 @@ PY
 done
 
 # 3. train: the loss falls; injected OOMs lose nothing; resume is exact; model.pt is the trained model.
-pinned=(--micro-batch 8 --checkpoint none --precision fp32 --budget 64MiB)
+pinned=(--micro-batch 8 --checkpoint none --precision fp32 --budget 64MiB --optimizer-state fp32)
 "$memfit" train "${gpt[@]}" "${quiet[@]}" --steps 30 --json-log t.jsonl > t.out 2>&1 || bad "train: $(tail -2 t.out)"
 py t.jsonl <<'PY' && ok || bad "the loss does not fall"
 import json, sys

@@ -13,7 +13,7 @@ model=(--layers 2 --d-model 64 --heads 4 --seq 32 --batch 8 --dropout 0)
 quiet=(--no-progress --eval-every 0)  # train's own flags
 base=("${model[@]}" "${quiet[@]}")
 small=("${base[@]}" --report "")  # no HTML report, except where one is checked
-pinned=(--checkpoint all --precision fp32 --budget 64MiB)
+pinned=(--checkpoint all --precision fp32 --budget 64MiB --optimizer-state fp32)
 source "$(dirname "$(realpath "$0")")/lib.sh"
 
 # 1. 10 steps, one process (micro-batches of 4) against 2 ranks at stage 3 (4 samples each).
