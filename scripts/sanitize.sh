@@ -7,7 +7,8 @@
 #   bash scripts/sanitize.sh            (CI: after scripts/test.sh, which installs the packages)
 #
 # Environment: SANITIZE_BUILD_DIR (build-asan), SANITIZE_JOBS (all cores), SANITIZE_NICE (0: the
-# niceness of the compiles), SANITIZE_FILTER (the unit tests run; default below).
+# niceness of the compiles), SANITIZE_FILTER (the unit tests run; default below), SANITIZE_PHASE
+# (all; build: the build only; run: the runs, on a build made before).
 # Prints "sanitize: N passed, M failed"; exits non-zero on any failure or finding.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -30,7 +31,7 @@ sanitizers="-fsanitize=address,undefined,float-cast-overflow -fno-omit-frame-poi
 export ASAN_OPTIONS="detect_leaks=0:halt_on_error=1:abort_on_error=0:exitcode=86:strict_init_order=1:check_initialization_order=1:detect_stack_use_after_return=0:allocator_may_return_null=1:max_allocation_size_mb=4096:print_summary=1"
 # halt_on_error: a UBSan finding ends the process (exit 86) instead of printing and going on.
 export UBSAN_OPTIONS="halt_on_error=1:print_stacktrace=1:exitcode=86:suppressions=$root/scripts/ubsan.supp"
-export OMP_WAIT_POLICY=PASSIVE  # memfit would re-exec itself to set it; fewer moving parts
+export OMP_WAIT_POLICY=PASSIVE MKL_DYNAMIC=FALSE OMP_DYNAMIC=FALSE  # memfit would re-exec itself to set them
 
 pass=0; fail=0; findings=0
 logs=$(mktemp -d "${TMPDIR:-/tmp}/memfit-sanitize.XXXXXX")
@@ -74,19 +75,23 @@ report() {
   fi
 }
 
-echo "sanitize: building $build (ASan + UBSan, -O1) with $jobs job(s)"
-t0=$SECONDS
-if ! nice -n "$niceness" cmake -S . -B "$build" -DCMAKE_BUILD_TYPE=RelWithDebInfo \
-       -DCMAKE_CXX_FLAGS="$sanitizers" -DCMAKE_CXX_FLAGS_RELWITHDEBINFO="-O1 -g1" \
-       -DCMAKE_EXE_LINKER_FLAGS="$sanitizers" -DCMAKE_SHARED_LINKER_FLAGS="$sanitizers" \
-       -DMEMFIT_BUILD_BENCH=OFF -DMEMFIT_BUILD_TESTS=ON >"$logs/configure.log" 2>&1; then
-  tail -20 "$logs/configure.log"; echo "sanitize: 0 passed, 1 failed (configure)"; exit 1
+phase=${SANITIZE_PHASE:-all}
+if [ "$phase" != run ]; then
+  echo "sanitize: building $build (ASan + UBSan, -O1) with $jobs job(s)"
+  t0=$SECONDS
+  if ! nice -n "$niceness" cmake -S . -B "$build" -DCMAKE_BUILD_TYPE=RelWithDebInfo \
+         -DCMAKE_CXX_FLAGS="$sanitizers" -DCMAKE_CXX_FLAGS_RELWITHDEBINFO="-O1 -g1" \
+         -DCMAKE_EXE_LINKER_FLAGS="$sanitizers" -DCMAKE_SHARED_LINKER_FLAGS="$sanitizers" \
+         -DMEMFIT_BUILD_BENCH=OFF -DMEMFIT_BUILD_TESTS=ON >"$logs/configure.log" 2>&1; then
+    tail -20 "$logs/configure.log"; echo "sanitize: 0 passed, 1 failed (configure)"; exit 1
+  fi
+  if ! nice -n "$niceness" cmake --build "$build" --target memfit_cli memfit_tests -j "$jobs" >"$logs/build.log" 2>&1; then
+    grep -m20 -E 'error|Error' "$logs/build.log"; tail -5 "$logs/build.log"
+    echo "sanitize: 0 passed, 1 failed (build)"; exit 1
+  fi
+  echo "sanitize: built in $((SECONDS - t0)) s"
 fi
-if ! nice -n "$niceness" cmake --build "$build" --target memfit_cli memfit_tests -j "$jobs" >"$logs/build.log" 2>&1; then
-  grep -m20 -E 'error|Error' "$logs/build.log"; tail -5 "$logs/build.log"
-  echo "sanitize: 0 passed, 1 failed (build)"; exit 1
-fi
-echo "sanitize: built in $((SECONDS - t0)) s"
+[ "$phase" = build ] && exit 0
 tests="$build/tests/memfit_tests"
 memfit="$root/$build/memfit"
 

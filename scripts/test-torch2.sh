@@ -8,7 +8,8 @@
 # Environment: TORCH2_VERSION (2.15.0: PyPI's newest release, pinned so that a new release
 # cannot break a landing by surprise; raised as new ones come out. 2.11.0: what the GPU
 # machines run. "newest": whatever PyPI has now, unpinned: scripts/test-newest-torch.sh),
-# TORCH2_VENV (.venv-torch2), TORCH2_BUILD_DIR (build-torch2), TORCH2_JOBS (all cores).
+# TORCH2_VENV (.venv-torch2), TORCH2_BUILD_DIR (build-torch2), TORCH2_JOBS (all cores),
+# TORCH2_PHASE (all; build: the venv and the build only; test: the suite of a build made before).
 #
 # The C++ standard follows the torch: its CMake config asks C++20 from 2.12 (CMakeLists.txt).
 #
@@ -32,16 +33,19 @@ for d in /usr/local/cuda/bin /usr/local/cuda-13*/bin; do
 done
 command -v nvcc >/dev/null || { echo "test-torch2: nvcc not found (the CUDA 13 toolkit is needed to configure a CUDA LibTorch)" >&2; exit 1; }
 
-t0=$SECONDS
-bash scripts/python-env.sh "$venv" "$version"  # (CI has it made while the first build compiles)
-echo "test-torch2: torch $("$venv/bin/python" -c 'import torch; print(torch.__version__)') installed in $venv ($((SECONDS - t0)) s)"
-torch_dir=$("$venv/bin/python" -c 'import os, torch; print(os.path.dirname(torch.__file__))')
-
-t0=$SECONDS
-cmake -S . -B "$build" -DCMAKE_BUILD_TYPE=Release -DMEMFIT_BUILD_BENCH=OFF \
-  "-DCMAKE_PREFIX_PATH=$torch_dir;$torch_dir/share/cmake" >/dev/null
-cmake --build "$build" -j"$jobs"
-echo "test-torch2: built $build ($((SECONDS - t0)) s)"
+phase=${TORCH2_PHASE:-all}
+if [ "$phase" != test ]; then
+  t0=$SECONDS
+  bash scripts/python-env.sh "$venv" "$version"  # (CI has it made while the first build compiles)
+  echo "test-torch2: torch $("$venv/bin/python" -c 'import torch; print(torch.__version__)') installed in $venv ($((SECONDS - t0)) s)"
+  torch_dir=$("$venv/bin/python" -c 'import os, torch; print(os.path.dirname(torch.__file__))')
+  t0=$SECONDS
+  cmake -S . -B "$build" -DCMAKE_BUILD_TYPE=Release -DMEMFIT_BUILD_BENCH=OFF \
+    "-DCMAKE_PREFIX_PATH=$torch_dir;$torch_dir/share/cmake" >/dev/null
+  cmake --build "$build" -j"$jobs"
+  echo "test-torch2: built $build ($((SECONDS - t0)) s)"
+fi
+[ "$phase" = build ] && exit 0
 
 echo "test-torch2: $("$build/memfit" --version)"
 echo "test-torch2: $build/memfit links: $(ldd "$build/memfit" | grep -oE 'lib(torch_cuda|c10_cuda|nccl)[^ ]*' | sort -u | paste -sd' ')"

@@ -85,8 +85,6 @@ class Step:
     def _offload(self, optimizer, plan):
         if not plan.optimizer_offloaded:
             return None
-        if self.precision == "fp16":
-            raise ValueError("plan: fp16 with the optimizer offloaded (GradScaler needs the gradients on the device)")
         note(self.observer, f"the plan offloads the optimizer: the {type(optimizer).__name__}'s state, its step and "
                             "fp32 masters of the weights are on the host (step.offload)")
         return OptimizerOffload(self._parameters, optimizer)
