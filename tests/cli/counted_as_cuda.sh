@@ -13,10 +13,10 @@ for mode in cpu cuda; do
   env_mode=(); [ "$mode" = cuda ] && env_mode=(MEMFIT_COUNT_CPU_AS=cuda)
   env "${env_mode[@]}" "$memfit" report "${gpt[@]}" --steps 2 --checkpoint every:2 --micro-batch 4 --json > "$dir/report-$mode.json"
   # A pinned configuration: the numbers are bytes only, whatever the timings.
-  env "${env_mode[@]}" "$memfit" plan "${gpt[@]}" --budget 64MiB --micro-batch 4 --checkpoint all --precision fp32 \
+  env "${env_mode[@]}" "$memfit" plan "${gpt[@]}" --budget 64MiB --micro-batch 4 --checkpoint all --precision fp32 --optimizer-state fp32 \
     --json > "$dir/plan-$mode.json"
   env "${env_mode[@]}" "$memfit" train "${gpt[@]}" --steps 3 --budget 64MiB --micro-batch 4 --checkpoint all \
-    --precision fp32 --eval-every 0 --no-progress --report "" --json-log "$dir/train-$mode.jsonl" > /dev/null
+    --precision fp32 --optimizer-state fp32 --eval-every 0 --no-progress --report "" --json-log "$dir/train-$mode.jsonl" > /dev/null
 done
 
 py "$dir" <<'PY'

@@ -17,7 +17,7 @@ cd "$dir" || exit 1
 model=(--layers 2 --d-model 64 --heads 4 --seq 32 --batch 8 --dropout 0)
 base=("${model[@]}" --no-progress --eval-every 0)
 small=("${base[@]}" --report "")  # no HTML report, except where one is checked
-pinned=(--checkpoint none --precision fp32 --budget 64MiB)
+pinned=(--checkpoint none --precision fp32 --optimizer-state fp32 --budget 64MiB)
 source "$(dirname "$(realpath "$0")")/lib.sh"
 
 # 1. Single process, the reference: micro-batches of 4, so 2 per step.
