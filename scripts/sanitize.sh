@@ -101,7 +101,10 @@ memfit="$root/$build/memfit"
 # no real build chooses and its predictions are not the ones checked; the two real builds'
 # suites run it).
 filter=${SANITIZE_FILTER:-"-Fuzz*:TrainerTest.HeapStaysFlatOverManySteps:PlannerTest.CnnBudgetsHoldAndPredictionsAreClose:ReservedFitTest.GptPlanHoldsUnderTheCapWithNoRetry"}
-run "memfit_tests --gtest_filter=$filter" "$tests" --gtest_filter="$filter"
+# They run beside the fuzz tests and the CLI smoke below (each keeps about one core busy).
+n=$((n + 1)); unit_log="$logs/$n.log"; unit_t0=$SECONDS
+"$tests" --gtest_filter="$filter" > "$unit_log" 2>&1 &
+unit_pid=$!
 # The fuzz tests, one process each: a finding halts its process, not the others.
 for t in $("$tests" --gtest_list_tests --gtest_filter='Fuzz*' | awk '/^[^ ]/ {suite=$1} /^  / {print suite $1}'); do
   run "$t" "$tests" --gtest_filter="$t"
@@ -133,6 +136,9 @@ run_fails "report --batch 18446744073709551616" "$memfit" report "${tiny[@]}" --
 # The flag fuzzer's always-run cases and a few drawn ones, sanitized (no ulimit -v: ASan
 # reserves terabytes of address space; max_allocation_size_mb bounds hostile sizes instead).
 run "flag fuzzer (16 cases)" env MEMFIT_FUZZ_VMEM_KIB=0 bash tests/cli/fuzz_flags.sh "$memfit" 16
+
+unit_rc=0; wait "$unit_pid" || unit_rc=$?
+report "memfit_tests --gtest_filter=$filter" "$unit_log" "$unit_rc" 0 $((SECONDS - unit_t0))
 
 echo "sanitize: $(( $(date +%s) - start )) s in all; $findings sanitizer finding(s)"
 echo "sanitize: $pass passed, $fail failed"
