@@ -229,5 +229,57 @@ INSTANTIATE_TEST_SUITE_P(Strategies, StrategyTest,
                                            StrategyCase{"ZeroReplicatedStage2TwoRanksOffload", 2, 2, true, 0, true}),
                          [](const ::testing::TestParamInfo<StrategyCase>& info) { return std::string(info.param.name); });
 
+// The option the check refuses ("" where it accepts).
+std::string refused_option(const StrategyAsk& ask) {
+  try {
+    check_strategy_options(ask);
+  } catch (const OptionError& e) {
+    return e.option();
+  }
+  return "";
+}
+
+TEST(StrategyRegistry, SelectsOneStrategyPerSetupAndEachRefusesWhatItCannotRun) {
+  DistributedOptions o;
+  EXPECT_STREQ(strategy_entry_for(o).name, "single process");
+  o.world_size = 2;
+  for (int stage : {0, 1, 2}) {
+    o.zero_stage = stage;
+    EXPECT_STREQ(strategy_entry_for(o).name, "ZeRO 0-2") << "stage " << stage;
+  }
+  o.zero_stage = 3;
+  EXPECT_STREQ(strategy_entry_for(o).name, "ZeRO 3");
+
+  StepConfig step;
+  step.batch = 4;
+  const int blocks = 4;
+  // Offloading the optimizer: ZeRO 3 shards its state instead; stages 0-2 on the CPU take it.
+  EXPECT_EQ(refused_option({o, step, false, false, {}, OffloadMode::kOptimizer, blocks}), "offload");
+  o.zero_stage = 2;
+  EXPECT_EQ(refused_option({o, step, false, false, {}, OffloadMode::kOptimizer, blocks}), "");
+  // A pinned fp16: ZeRO 1 and 2 refuse it, one process and ZeRO 0 run it.
+  step.precision = Precision::kFP16;
+  EXPECT_EQ(refused_option({o, step, true, false, {}, OffloadMode::kNone, blocks}), "precision");
+  EXPECT_EQ(refused_option({o, step, false, false, {}, OffloadMode::kNone, blocks}), "");  // planned, not pinned
+  o.zero_stage = 0;
+  EXPECT_EQ(refused_option({o, step, true, false, {}, OffloadMode::kNone, blocks}), "");
+  o.world_size = 1;
+  EXPECT_EQ(refused_option({o, step, true, false, {}, OffloadMode::kNone, blocks}), "");
+  // ZeRO 3 saving 8-bit state, or pinned to recompute fewer than every block.
+  o.world_size = 2;
+  o.zero_stage = 3;
+  step.precision = Precision::kFP32;
+  step.optimizer.state = StatePrecision::k8Bit;
+  EXPECT_EQ(refused_option({o, step, false, false, {true, false}, OffloadMode::kNone, blocks}), "optimizer.state");
+  step.optimizer.state = StatePrecision::kFP32;
+  step.checkpoint = CheckpointPlan::none();
+  EXPECT_EQ(refused_option({o, step, false, true, {}, OffloadMode::kNone, blocks}), "checkpoint");
+  step.checkpoint = CheckpointPlan::all(blocks);
+  EXPECT_EQ(refused_option({o, step, false, true, {}, OffloadMode::kNone, blocks}), "");
+  // The options themselves are checked first, whichever strategy they select.
+  o.zero_stage = 4;
+  EXPECT_EQ(refused_option({o, step, false, false, {}, OffloadMode::kNone, blocks}), "zero_stage");
+}
+
 }  // namespace
 }  // namespace memfit

@@ -90,9 +90,13 @@ TEST(TrainerTest, PartsRunOneByOneAndResumeIsExact) {
   first_half.steps = 3;
   first_half.save_dir = dir.string();
   Trainer first(first_w, first_half);
+  EXPECT_THROW(first.step(1), c10::Error);  // each part needs the ones before it, run once
   first.set_up();
+  EXPECT_THROW(first.set_up(), c10::Error);
+  EXPECT_THROW(first.evaluate(), c10::Error);
   const Plan& plan = first.plan();
   EXPECT_TRUE(plan.feasible);
+  EXPECT_THROW(first.plan(), c10::Error);
   for (int64_t step = 1; step <= 3; ++step) EXPECT_TRUE(std::isfinite(first.step(step)));
   EXPECT_GT(first.evaluate(), 0.0);
   first.summarize();
@@ -106,6 +110,34 @@ TEST(TrainerTest, PartsRunOneByOneAndResumeIsExact) {
   EXPECT_EQ(resumed.weights_sha256, straight.weights_sha256);
   EXPECT_EQ(resumed.final_loss, straight.final_loss);
   std::filesystem::remove_all(dir);
+}
+
+// Evaluation follows the training step's recovery rule: a micro-batch that runs out of memory is
+// split in two (inference has nothing to recompute), and the loss is the same to float tolerance.
+TEST(TrainerTest, EvaluationSplitsAMicroBatchThatRunsOutOfMemory) {
+  test::use_memfit_allocator();
+  Workload w = user_workload(4);
+  TrainOptions o = small_options(OptimizerFamily::kSGD, 0.9);
+  o.budget_bytes = 64 << 20;
+  o.steps = 1;
+  o.step.micro_batch = 8;
+  o.pin_checkpoint = true;  // step.checkpoint: none
+  o.eval_batches = 2;
+  struct Notes : TrainObserver {
+    std::vector<std::string> lines;
+    void on_note(const std::string& note) override { lines.push_back(note); }
+  } notes;
+  Trainer trainer(w, o);
+  trainer.add_observer(notes);
+  trainer.set_up();
+  trainer.plan();
+  const double whole = trainer.evaluate();
+  BudgetAllocator::installed()->fail_allocation_after(3);  // inside the first micro-batch's forward
+  const double split = trainer.evaluate();
+  EXPECT_NEAR(split, whole, 1e-6 * std::abs(whole));
+  const std::string expected = "out of memory (injected) in evaluation: micro-batch of 8 samples split into 4 + 4";
+  EXPECT_TRUE(std::any_of(notes.lines.begin(), notes.lines.end(), [&](const std::string& l) { return l == expected; }))
+      << "no note '" << expected << "'";
 }
 
 TEST(TrainerTest, BadOptionsAreNamedBeforeAnyWork) {

@@ -14,12 +14,13 @@ scripted nn.Sequential of blocks) and OUT_DIR/MODEL_data.pt (torch.save({"inputs
   and all), then the Sequential scripted.
 """
 import math
+import os
 import sys
 
 import torch
 import torch.nn as nn
 
-IMAGE = 224  # pixels a side, as ImageNet's
+IMAGE = int(os.environ.get("IMAGE", 224))  # pixels a side: ImageNet's unless IMAGE says
 
 
 def resnet18():
@@ -118,12 +119,18 @@ class Head(nn.Module):
 GPT = dict(vocab=4096, seq=128, d=256, heads=8, layers=6, dropout=0.1)
 
 
-def gpt2_traced():
+def gpt2_eager():
     g = GPT
     blocks = [Embed(g["vocab"], g["seq"], g["d"], g["dropout"])]
     blocks += [Block(g["d"], g["heads"], g["seq"], g["dropout"]) for _ in range(g["layers"])]
     blocks.append(Head(g["d"], g["vocab"]))
     blocks[-1].lm_head.weight = blocks[0].wte.weight  # tied, as GPT-2's (one parameter, two blocks)
+    return nn.Sequential(*blocks)
+
+
+def gpt2_traced():
+    g = GPT
+    blocks = list(gpt2_eager())
     x = torch.randint(0, g["vocab"], (2, g["seq"]))
     traced = []
     for b in blocks:  # each traced on its own input, as an exporter cutting a model would

@@ -76,6 +76,7 @@
 #include "memfit/train/single_process.h"
 #include "memfit/train/stop_signal.h"
 #include "memfit/train/strategy.h"
+#include "memfit/train/strategy_registry.h"
 #include "memfit/train/trainer.h"
 #include "memfit/train/zero_replicated.h"
 #include "memfit/train/zero_sharded.h"

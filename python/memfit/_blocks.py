@@ -70,12 +70,10 @@ def _describe(blocks):
 
 
 def _selector(model, blocks):
-    """A predicate over modules for `blocks` (None, a class, a predicate, or modules)."""
+    """A predicate over modules for `blocks` (a class, a predicate, or modules; None: the
+    repeated class, which the caller found)."""
     if blocks is None:
         cls = _repeated_class(model)
-        if cls is None:
-            raise ValueError("blocks None: the model has no module class repeated inside a ModuleList or "
-                             "Sequential; pass blocks= a module class, a predicate or a list of modules")
         return lambda m: type(m) is cls
     if isinstance(blocks, type):
         if not issubclass(blocks, torch.nn.Module):
@@ -134,10 +132,51 @@ def _with_sequential_siblings(model, found):
     return out
 
 
-def find_blocks(model, blocks=None):
+def _holds_parameters(module):
+    return next(module.parameters(), None) is not None
+
+
+def _top_modules(model):
+    """The modules holding parameters one level below the model, or below the wrapper (a module
+    whose one child holds them all: Hugging Face's `model.model`) where there is one."""
+    top = model
+    while True:
+        children = [c for c in top.children() if _holds_parameters(c)]
+        if len(children) != 1:
+            return children
+        top = children[0]
+
+
+def _in_call_order(model, probe):
+    """The model's top modules that `probe` (one forward) calls exactly once, as blocks in the
+    order called: a model with no repeated block is planned as the modules it runs in order."""
+    names = {id(m): n for n, m in model.named_modules()}
+    calls = []
+    hooks = [m.register_forward_pre_hook(lambda module, args: calls.append(module)) for m in _top_modules(model)]
+    try:
+        probe()
+    finally:
+        for h in hooks:
+            h.remove()
+    once = [m for i, m in enumerate(calls) if calls.count(m) == 1]
+    if not once:
+        raise ValueError("blocks None: the model has no module class repeated inside a ModuleList or Sequential, "
+                         "and no submodule holding parameters runs once per forward; pass blocks= a module class, "
+                         "a predicate or a list of modules")
+    return [Block(names[id(m)], [m]) for m in once]
+
+
+def find_blocks(model, blocks=None, probe=None):
     """The model's blocks, in order: ValueError when `blocks` matches no module of the model,
-    or when torch.compile reached it (memfit plans the eager model)."""
+    or when torch.compile reached it (memfit plans the eager model). `blocks` None: the
+    repeated module class with the most parameters; where there is none, the modules `probe`
+    (a callable running one forward) calls once each, in that order."""
     check_not_compiled(model)
+    if blocks is None and _repeated_class(model) is None:
+        if probe is None:
+            raise ValueError("blocks None: the model has no module class repeated inside a ModuleList or Sequential; "
+                             "pass blocks= a module class, a predicate or a list of modules")
+        return _in_call_order(model, probe)
     select = _selector(model, blocks)
     try:
         found = _outermost(model, select)

@@ -229,7 +229,8 @@ def plan(model, optimizer, loss_fn, batch, budget, blocks=None, precisions=("fp3
     that works) when nothing fits, and ValueError naming the argument for bad input.
     """
     _check_arguments(model, optimizer, loss_fn)
-    found = _blocks.find_blocks(model, blocks)
+    if blocks is not None:
+        _blocks.find_blocks(model, blocks)  # a bad `blocks` is named before any work
     device = _device_of(model, batch)
     ask = _ask(optimizer, batch, device, budget, precisions, optimizer_state, micro_batch, margin, offload, host_budget)
     with_8bit = _check_optimizer_state(optimizer, optimizer_state)
@@ -246,6 +247,7 @@ def plan(model, optimizer, loss_fn, batch, budget, blocks=None, precisions=("fp3
         ask.resident_bytes = resident_bytes(model, optimizer, batch, device)
         setup = _C.set_up_plan(ask)  # ValueError naming the first value not accepted
         state.clear_gradients()
+        found = _blocks.find_blocks(model, blocks, probe=lambda: _probe_forward(model, loss_fn, batch))
         parts = ModuleParts(model, loss_fn, batch, found, device)
         profile, costs = _measure(parts, optimizer, setup, optimizer_state, with_8bit, obs, streamed=offload != "none")
         planner = _C.Planner(profile, setup.request(costs))
@@ -258,6 +260,13 @@ def plan(model, optimizer, loss_fn, batch, budget, blocks=None, precisions=("fp3
         state.restore()
         obs.close()
     return Plan(result, found, loss_fn, model, ask.batch, device, planner, cache_off)
+
+
+def _probe_forward(model, loss_fn, batch):
+    """One forward of two samples without a graph: which modules the model runs, in what order
+    (plan() puts back the buffers and random state it changes)."""
+    with torch.no_grad():
+        loss_fn(model, _batch.narrow(batch, 0, min(2, _batch.sample_count(batch))))
 
 
 def _ask(optimizer, batch, device, budget, precisions, optimizer_state, micro_batch, margin, offload, host_budget):

@@ -142,8 +142,29 @@ def mlp_loss(model, batch):
     return F.mse_loss(model(x), y)
 
 
+class RecurrentLM(nn.Module):
+    """An embedding, a 2-layer LSTM and a linear head: no module repeated, so memfit plans the
+    modules it runs in the order it runs them. Registered head first: only the forward says
+    which runs when."""
+
+    def __init__(self, vocab=256, width=192):
+        super().__init__()
+        self.head = nn.Linear(width, vocab)
+        self.embed = nn.Embedding(vocab, width)
+        self.rnn = nn.LSTM(width, width, num_layers=2, batch_first=True)
+
+    def forward(self, ids):
+        h, _ = self.rnn(self.embed(ids))
+        return self.head(h)
+
+
+def lstm_loss(model, batch):
+    logits = model(batch["input_ids"])
+    return F.cross_entropy(logits.flatten(0, 1), batch["labels"].flatten())
+
+
 def make(name, seed=0):
-    """(model, batch, loss_fn) for 'gpt', 'gpt_hf_like', 'cnn' or 'mlp', seeded."""
+    """(model, batch, loss_fn) for 'gpt', 'gpt_hf_like', 'cnn', 'mlp' or 'lstm', seeded."""
     torch.manual_seed(seed)
     if name == "gpt":
         return GPT(), gpt_batch(seed=seed), gpt_loss
@@ -153,4 +174,6 @@ def make(name, seed=0):
         return CNN(), cnn_batch(seed=seed), cnn_loss
     if name == "mlp":
         return mlp(), mlp_batch(seed=seed), mlp_loss
+    if name == "lstm":
+        return RecurrentLM(), gpt_batch(seed=seed), lstm_loss
     raise ValueError(name)

@@ -1,5 +1,7 @@
 """memfit.plan + memfit.apply at 60% and 45% of the plain step's peak: the step stays under the
 budget, and the plan predicted its peak within 5%."""
+import copy
+
 import pytest
 import torch
 
@@ -31,7 +33,7 @@ def plain_peak(name):
 
 
 @pytest.mark.parametrize("fraction", [0.6, 0.45])
-@pytest.mark.parametrize("name", ["gpt", "cnn", "mlp"])
+@pytest.mark.parametrize("name", ["gpt", "cnn", "mlp", "lstm"])
 def test_planned_step_fits_and_is_predicted_within_5_percent(name, fraction):
     budget = int(plain_peak(name) * fraction)
     model, batch, loss_fn = make(name)
@@ -53,6 +55,23 @@ def test_planned_step_fits_and_is_predicted_within_5_percent(name, fraction):
              and measured <= plan.predicted_peak_bytes)
     assert error <= (0.2 if known else 0.05), \
         f"{plan}\nmeasured {measured}, predicted {plan.predicted_peak_bytes} ({error:.1%})"
+
+
+def test_a_model_with_no_repeated_block_plans_the_modules_it_runs_in_their_order():
+    model, batch, loss_fn = make("lstm")
+    reference = copy.deepcopy(model)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    plan = memfit.plan(model, opt, loss_fn, batch, "1GiB", micro_batch=4, progress=False)
+    assert plan.block_names == ["embed", "rnn", "head"]  # called in that order, registered head first
+    reference.zero_grad(set_to_none=True)
+    loss_fn(reference, batch).backward()
+    step = memfit.apply(model, opt, plan)
+    try:
+        step.gradients(batch)
+    finally:
+        memfit.remove(model)
+    for (name, p), r in zip(model.named_parameters(), reference.parameters()):
+        torch.testing.assert_close(p.grad, r.grad, rtol=1e-5, atol=1e-6, msg=lambda m: f"{name}: {m}")
 
 
 def test_plan_reads_as_a_table_and_json():

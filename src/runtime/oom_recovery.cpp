@@ -14,8 +14,17 @@ void SplitRecovery::say(const std::string& text) const {
 }
 
 void SplitRecovery::begin_step(int64_t step, const CheckpointPlan& planned, const std::string& budget_text) {
-  step_ = step;
+  where_ = "step " + std::to_string(step);
+  evaluating_ = false;
   plan_recomputes_all_ = planned.recomputed_blocks().size() >= static_cast<size_t>(blocks_);
+  budget_text_ = budget_text;
+  real_oom_ = false;
+}
+
+void SplitRecovery::begin_evaluation(const std::string& budget_text) {
+  where_ = "evaluation";
+  evaluating_ = true;
+  plan_recomputes_all_ = true;  // inference keeps no activations: recomputing would save nothing
   budget_text_ = budget_text;
   real_oom_ = false;
 }
@@ -34,8 +43,8 @@ OomDecision SplitRecovery::restart(int64_t m, bool recompute_all) const {
 }
 
 void SplitRecovery::give_up(const c10::OutOfMemoryError& error) const {
-  throw std::runtime_error("out of memory in step " + std::to_string(step_) +
-                           " even with micro-batch 1 and every block recomputed: budget " + budget_text_ +
+  throw std::runtime_error("out of memory in " + where_ + " even with micro-batch 1" +
+                           (evaluating_ ? "" : " and every block recomputed") + ": budget " + budget_text_ +
                            " is too small for this model (" + error.what_without_backtrace() + ")");
 }
 
@@ -45,8 +54,7 @@ OomDecision SplitRecovery::on_out_of_memory(const PendingMicroBatch& failed, boo
   ++recoveries_;
   const bool injected = std::string(error.what()).find("(injected)") != std::string::npos;
   real_oom_ = real_oom_ || !injected;
-  const std::string what = std::string(injected ? "out of memory (injected)" : "out of memory") + " in step " +
-                           std::to_string(step_);
+  const std::string what = std::string(injected ? "out of memory (injected)" : "out of memory") + " in " + where_;
   const int64_t length = failed.part.length;
   if (partial_sums) {
     // Partial sums over earlier micro-batches cannot be taken back exactly: redo the step.

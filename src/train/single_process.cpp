@@ -20,4 +20,11 @@ std::string SingleProcess::weights_sha256(const std::string& dump_path) {
   return memfit::weights_sha256(chain_);
 }
 
+StrategyEntry single_process_entry() {
+  return {"single process", [](const DistributedOptions& o) { return !o.enabled(); }, nullptr,
+          [](const DistributedOptions&, Chain& chain) -> std::unique_ptr<Strategy> {
+            return std::make_unique<SingleProcess>(chain);
+          }};
+}
+
 }  // namespace memfit

@@ -1,14 +1,11 @@
-// The Strategy base, what data-parallel strategies share, and the registration of every
-// strategy: make_strategy and check_strategy_options are the one place that maps options to one.
+// The Strategy base and what data-parallel strategies share (the list of strategies is
+// strategy_registry.cpp's).
 #include "memfit/train/strategy.h"
 
 #include <torch/torch.h>
 
 #include "memfit/errors.h"
 #include "memfit/measure/memory_space.h"
-#include "memfit/train/single_process.h"
-#include "memfit/train/zero_replicated.h"
-#include "memfit/train/zero_sharded.h"
 
 namespace memfit {
 
@@ -36,26 +33,6 @@ at::Tensor Strategy::zero_gradient(size_t index, const at::Tensor& parameter) co
 
 at::Tensor& Strategy::gradient_of(size_t index, const at::Tensor& parameter) {
   return offload_ ? offload_->host_parameters().at(index).mutable_grad() : parameter.mutable_grad();
-}
-
-std::unique_ptr<Strategy> make_strategy(const DistributedOptions& options, Chain& chain) {
-  if (!options.enabled()) return std::make_unique<SingleProcess>(chain);
-  auto group = std::make_unique<ProcessGroup>(options);  // first: a bad master fails before any work
-  if (options.zero_stage == 3) return std::make_unique<ZeroSharded>(std::move(group), chain);
-  return std::make_unique<ZeroReplicated>(std::move(group), chain, options.zero_stage);
-}
-
-void check_strategy_options(const DistributedOptions& o, const StepConfig& step, bool precision_pinned,
-                            bool checkpoint_pinned, const StateUse& state, int blocks) {
-  validate(o);
-  if (!o.enabled()) return;
-  check_option(!(o.zero_stage > 0 && precision_pinned && step.precision == Precision::kFP16), "precision", "fp16",
-               "fp16 with ZeRO 1 or 2 is not supported: the loss scaler's overflow check would see one shard only");
-  if (o.zero_stage != 3) return;
-  check_option(!((state.saves || state.resumes) && step.optimizer.state == StatePrecision::k8Bit), "optimizer.state", "8bit",
-               "saving and resuming at ZeRO 3 need fp32 state (8-bit blocks would straddle parameters)");
-  check_option(!(checkpoint_pinned && step.checkpoint.recomputed_blocks().size() != static_cast<size_t>(blocks)),
-               "checkpoint", step.checkpoint.describe(), "ZeRO 3 recomputes every block: expected all");
 }
 
 BatchSlice rank_slice(int64_t batch, int rank, int world_size) {

@@ -17,6 +17,7 @@
 #include "memfit/techniques/optimizer_8bit.h"
 #include "memfit/techniques/rng.h"
 #include "memfit/train/stop_signal.h"
+#include "memfit/train/strategy_registry.h"
 #include "trainer_impl.h"
 
 namespace memfit {
@@ -44,13 +45,9 @@ void check_train_options(const TrainOptions& o, const Workload& w) {
                           : "expected 1 to this rank's share of batch (" + std::to_string(local.length) + " of " +
                                 std::to_string(o.step.batch) + " over " + std::to_string(world) + " ranks)");
   const StateUse state{!o.save_dir.empty(), !o.resume_dir.empty()};
-  check_strategy_options(o.distributed, o.step, o.pin_precision, o.pin_checkpoint, state, w.chain->size());
+  check_strategy_options({o.distributed, o.step, o.pin_precision, o.pin_checkpoint, state, o.offload, w.chain->size()});
   check_option(o.budget_bytes > 0 || (o.step.micro_batch == 0 && !o.pin_checkpoint), "budget", "(none)",
                "a budget is required when the micro-batch or the checkpoint schedule is pinned");
-  check_option(o.offload == OffloadMode::kNone || o.distributed.zero_stage < 3 || world == 1, "offload",
-               offload_mode_name(o.offload), "ZeRO 3 shards the optimizer's state instead: offload runs at stages 0-2");
-  check_option(o.offload == OffloadMode::kNone || world == 1 || !o.step.device.is_cuda(), "offload",
-               offload_mode_name(o.offload), "several ranks on CUDA reduce gradients with NCCL, which cannot reach host memory");
   check_option(o.offload == OffloadMode::kNone || o.offload == OffloadMode::kOptimizer || activation_offload_available(),
                "offload", offload_mode_name(o.offload),
                "activations cannot be offloaded in this process (its autograd engine is Python's: use "
@@ -134,8 +131,16 @@ int64_t Trainer::start_step() const { return impl_->record.start_step; }
 torch::optim::Optimizer& Trainer::optimizer() { return *impl_->optimizer.optimizer; }
 void Trainer::dump_weights_at_summary(std::string path) { impl_->dump_weights = std::move(path); }
 
+void Trainer::Impl::require(Stage needed, const char* part) const {
+  static const char* const kFirst[] = {"", "set_up()", "set_up() and plan()"};
+  const auto at = static_cast<int>(stage), need = static_cast<int>(needed);
+  TORCH_CHECK(at >= need, "memfit::Trainer: call ", kFirst[need], " before ", part);
+  TORCH_CHECK(at <= need, "memfit::Trainer: ", part, " runs once, before ", at == 1 ? "plan()" : "the steps");
+}
+
 void Trainer::set_up() {
   Impl& t = *impl_;
+  t.require(Impl::Stage::kCreated, "set_up()");
   check_train_options(t.options, t.workload);
   make_8bit_maps_if_used(t.options.step.optimizer, t.options.step.device);  // before the tracker: resident, not tracked
   t.memory = std::make_unique<TrainingMemory>(t.options.step.device);  // (before the model moves there)
@@ -169,6 +174,7 @@ void Trainer::set_up() {
                     t.strategy->optimized_parameters());
   t.observers.on_start(t.start_event());
   if (!t.options.resume_dir.empty()) t.resume();
+  t.stage = Impl::Stage::kSetUp;
 }
 
 void Trainer::Impl::resume() {
@@ -261,7 +267,7 @@ void Trainer::Impl::replan_after_oom(int64_t smallest_ok) {
 
 double Trainer::step(int64_t step) {
   Impl& t = *impl_;
-  TORCH_CHECK(t.planned(), "memfit::Trainer: call set_up() and plan() before step()");
+  t.require(Impl::Stage::kPlanned, "step()");
   check_option(step > t.record.start_step && step <= t.options.steps, "step", step,
                "expected " + std::to_string(t.record.start_step + 1) + " to steps (" + std::to_string(t.options.steps) + ")");
   MemoryTracker& tracker = *t.memory->tracker;
@@ -318,10 +324,11 @@ void Trainer::Impl::record_step(int64_t step, double loss, double seconds) {
   observers.on_step(e);
 }
 
-// Held-out batches run as micro-batches of the plan's size under the budget; one that runs out
-// of memory is halved and redone (inference keeps no graph, so that always converges).
+// Held-out batches run as micro-batches of the plan's size under the budget, through the one
+// micro-batch loop with the one recovery rule (oom_recovery.h): a micro-batch that runs out of
+// memory is split in two, and after a real out-of-memory error later evaluations run what worked.
 double Trainer::evaluate() {
-  TORCH_CHECK(impl_->planned(), "memfit::Trainer: call set_up() and plan() before evaluate()");
+  impl_->require(Impl::Stage::kPlanned, "evaluate()");
   return impl_->evaluate();
 }
 
@@ -329,31 +336,33 @@ double Trainer::Impl::evaluate() {
   const int64_t batch_size = options.step.batch;
   const int64_t count = std::min(options.eval_batches, workload.data->eval_batch_count(batch_size));
   double total = 0;
-  for (int64_t i = 0; i < count; ++i) {
-    const Batch batch = workload.data->eval_batch(i, batch_size).to(options.step.device);
-    double sum = 0;  // of each micro-batch's mean loss times its samples
-    for (int64_t start = 0; start < batch.size();) {
-      const int64_t length = std::min(recovery.eval_micro_batch, batch.size() - start);
-      try {
-        sum += eval_loss(workload, batch.slice(start, length), plan.plan.config.precision) * static_cast<double>(length);
-        start += length;
-      } catch (const c10::OutOfMemoryError&) {
-        if (length == 1) throw std::runtime_error("out of memory in evaluation even with 1 sample: budget " + format_bytes(plan.budget));
-        recovery.eval_micro_batch = length / 2;
-        ++recovery.eval_recoveries;
-        observers.on_note("out of memory in evaluation: micro-batch " + std::to_string(length) + " -> " +
-                          std::to_string(length / 2));
-      }
-    }
-    total += sum / static_cast<double>(batch.size());
-  }
+  for (int64_t i = 0; i < count; ++i) total += evaluate_batch(workload.data->eval_batch(i, batch_size).to(options.step.device));
   return count > 0 ? total / static_cast<double>(count) : 0.0;
+}
+
+double Trainer::Impl::evaluate_batch(const Batch& batch) {
+  SplitRecovery split(batch.size(), batch.size(), workload.chain->size(), [this](const std::string& note) { observers.on_note(note); });
+  split.begin_evaluation(format_bytes(plan.budget));
+  MicroBatchLoop loop;
+  loop.device = options.step.device;
+  loop.recovery = &split;
+  const int64_t m = std::min(recovery.eval_micro_batch, batch.size());
+  const Precision precision = plan.plan.config.precision;
+  const StepResult r = accumulate_micro_batches(
+      split.split(m),
+      [&](const PendingMicroBatch& p) {
+        return eval_loss(workload, batch.slice(p.part.start, p.part.length), precision) * p.part.weight;
+      },
+      loop);
+  recovery.eval_recoveries += split.recoveries();
+  if (split.real_oom_in_step()) recovery.eval_micro_batch = split.next_steps(m, r.smallest_micro_batch, true).micro_batch;
+  return r.loss;  // the batch's mean loss: each part weighted by its share
 }
 
 // --- saving -----------------------------------------------------------------------------------
 
 void Trainer::save(int64_t step) {
-  TORCH_CHECK(impl_->planned(), "memfit::Trainer: call set_up() and plan() before save()");
+  impl_->require(Impl::Stage::kPlanned, "save()");
   impl_->save(step);
 }
 
@@ -394,7 +403,7 @@ void Trainer::Impl::save(int64_t step) {
 
 TrainSummary Trainer::summarize() {
   Impl& t = *impl_;
-  TORCH_CHECK(t.planned(), "memfit::Trainer: call set_up() and plan() before summarize()");
+  t.require(Impl::Stage::kPlanned, "summarize()");
   TrainSummary& s = t.record.summary;
   s.seconds = std::chrono::duration<double>(TrainClock::now() - t.record.run_start).count();
   s.weights_sha256 = t.strategy->weights_sha256(t.strategy->primary() ? t.dump_weights : "");

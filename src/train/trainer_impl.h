@@ -74,7 +74,7 @@ struct TrainPlan {
 struct StepRecovery {
   std::unique_ptr<GradScaler> scaler;    // fp16 only
   std::unique_ptr<SplitRecovery> split;
-  int64_t eval_micro_batch = 1;          // the plan's micro-batch, halved by out-of-memory errors
+  int64_t eval_micro_batch = 1;          // the plan's, or what completed after a real out-of-memory error
   int64_t eval_recoveries = 0;
 };
 
@@ -160,8 +160,11 @@ struct Trainer::Impl {
   int64_t parameter_bytes = 0;
   std::string dump_weights;          // Trainer::dump_weights_at_summary ("": none)
 
-  bool set_up_done() const { return memory != nullptr; }
-  bool planned() const { return recovery.split != nullptr; }
+  // Where the Trainer is in its parts (trainer.h): each part needs the ones before it.
+  enum class Stage { kCreated, kSetUp, kPlanned };
+  Stage stage = Stage::kCreated;
+  // Throws (naming `part`, and what to call first) unless the Trainer is at `needed`.
+  void require(Stage needed, const char* part) const;
   Batch local_batch(int64_t index) const;  // this rank's part of training batch `index`, on the device
   StepOptions step_options() const;
   StartEvent start_event() const;
@@ -179,6 +182,7 @@ struct Trainer::Impl {
   void replan_after_oom(int64_t smallest_ok);
   void record_step(int64_t step, double loss, double seconds);
   double evaluate();
+  double evaluate_batch(const Batch& batch);  // its mean loss
   void save(int64_t step);
   [[noreturn]] void stop_on_nonfinite_loss(int64_t step, double loss, const RngState& rng_at_start);
 

@@ -129,7 +129,7 @@ void Trainer::Impl::prepare_steps() {
 
 const Plan& Trainer::plan() {
   Impl& t = *impl_;
-  TORCH_CHECK(t.set_up_done(), "memfit::Trainer: call set_up() before plan()");
+  t.require(Impl::Stage::kSetUp, "plan()");
   const auto planning_start = TrainClock::now();
   t.make_plan_job();
   t.choose_plan();
@@ -145,6 +145,7 @@ const Plan& Trainer::plan() {
   t.observers.on_plan({t.plan.plan, names, t.plan.seconds, s.profile_cached, !t.plan.job->source().path.empty()});
   t.memory->tracker->reset_phase_times();  // the summary's time per phase covers training only
   t.record.run_start = TrainClock::now();
+  t.stage = Impl::Stage::kPlanned;
   return t.plan.plan;
 }
 

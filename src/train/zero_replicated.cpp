@@ -192,4 +192,19 @@ void ZeroReplicated::keep_owned_state(torch::optim::Optimizer& full, torch::opti
   full.state().clear();  // the other ranks' shares are released here
 }
 
+StrategyEntry zero_replicated_entry() {
+  return {"ZeRO 0-2", [](const DistributedOptions& o) { return o.enabled() && o.zero_stage <= 2; },
+          [](const StrategyAsk& a) {
+            check_option(!(a.distributed.zero_stage > 0 && a.precision_pinned && a.step.precision == Precision::kFP16),
+                         "precision", "fp16",
+                         "fp16 with ZeRO 1 or 2 is not supported: the loss scaler's overflow check would see one shard only");
+            check_option(a.offload == OffloadMode::kNone || !a.step.device.is_cuda(), "offload", offload_mode_name(a.offload),
+                         "several ranks on CUDA reduce gradients with NCCL, which cannot reach host memory");
+          },
+          [](const DistributedOptions& o, Chain& chain) -> std::unique_ptr<Strategy> {
+            auto group = std::make_unique<ProcessGroup>(o);  // joined first: a bad master fails before any work
+            return std::make_unique<ZeroReplicated>(std::move(group), chain, o.zero_stage);
+          }};
+}
+
 }  // namespace memfit

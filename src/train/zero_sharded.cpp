@@ -490,4 +490,20 @@ std::string ZeroSharded::weights_sha256(const std::string& dump_path) {
     });
   });
 }
+StrategyEntry zero_sharded_entry() {
+  return {"ZeRO 3", [](const DistributedOptions& o) { return o.enabled() && o.zero_stage == 3; },
+          [](const StrategyAsk& a) {
+            check_option(!((a.state.saves || a.state.resumes) && a.step.optimizer.state == StatePrecision::k8Bit),
+                         "optimizer.state", "8bit", "saving and resuming at ZeRO 3 need fp32 state (8-bit blocks would straddle parameters)");
+            check_option(!(a.checkpoint_pinned && a.step.checkpoint.recomputed_blocks().size() != static_cast<size_t>(a.blocks)),
+                         "checkpoint", a.step.checkpoint.describe(), "ZeRO 3 recomputes every block: expected all");
+            check_option(a.offload == OffloadMode::kNone, "offload", offload_mode_name(a.offload),
+                         "ZeRO 3 shards the optimizer's state instead: offload runs at stages 0-2");
+          },
+          [](const DistributedOptions& o, Chain& chain) -> std::unique_ptr<Strategy> {
+            auto group = std::make_unique<ProcessGroup>(o);  // joined first: a bad master fails before any work
+            return std::make_unique<ZeroSharded>(std::move(group), chain);
+          }};
+}
+
 }  // namespace memfit

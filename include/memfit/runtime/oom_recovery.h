@@ -7,6 +7,8 @@
 //   3. if gradients of earlier micro-batches were mixed into those released, the whole step
 //      is redone (first recomputing every block, then with half the micro-batch);
 //   4. a 1-sample micro-batch with every block recomputed gives up (std::runtime_error).
+// Evaluation follows the same rule: it keeps no graph, so there is nothing to recompute and
+// nothing accumulated; a micro-batch that runs out of memory is split in two (begin_evaluation).
 // And after a step that met a real out-of-memory error (one not injected: likely to repeat), the
 // following steps run what worked (next_steps). The one policy: the C++ Trainer and the Python
 // package's step (memfit.apply) both follow it.
@@ -28,6 +30,8 @@ class SplitRecovery : public OomRecovery {
   SplitRecovery(int64_t local_batch, int64_t global_batch, int blocks, Note note = {});
 
   void begin_step(int64_t step, const CheckpointPlan& planned, const std::string& budget_text);
+  // Held-out batches under inference (no graph): only the split applies.
+  void begin_evaluation(const std::string& budget_text);
   OomDecision on_out_of_memory(const PendingMicroBatch& failed, bool partial_sums,
                                const c10::OutOfMemoryError& error) override;
 
@@ -53,7 +57,8 @@ class SplitRecovery : public OomRecovery {
   int64_t local_batch_, global_batch_;
   int blocks_;
   Note note_;
-  int64_t step_ = 0;
+  std::string where_ = "step";  // "step N" or "evaluation", in messages
+  bool evaluating_ = false;
   bool plan_recomputes_all_ = false;
   std::string budget_text_;
   int64_t recoveries_ = 0;

@@ -3,6 +3,7 @@
 #pragma once
 
 #include "memfit/train/strategy.h"
+#include "memfit/train/strategy_registry.h"
 
 namespace memfit {
 
@@ -19,5 +20,8 @@ class SingleProcess : public Strategy {
               c10::Device device) override;
   std::string weights_sha256(const std::string& dump_path) override;
 };
+
+// Selected for one process (world size 1); refuses nothing.
+StrategyEntry single_process_entry();
 
 }  // namespace memfit

@@ -17,8 +17,9 @@
 // (profiling). Each runs over a ProcessGroup (a group of one for SingleProcess), which the
 // Trainer also uses to agree across ranks.
 //
-// A new strategy: a class deriving from Strategy in its own header and source, one line in
-// make_strategy (strategy.cpp), and a case in tests/test_strategies.cpp.
+// A new strategy: a class deriving from Strategy in its own header and source, with its entry
+// (strategy_registry.h: which options select it, what it refuses, how it is made) listed in
+// strategy_registry.cpp, and a case in tests/test_strategies.cpp.
 #pragma once
 
 #include <ATen/ATen.h>
@@ -147,15 +148,6 @@ class Strategy {
  private:
   std::unique_ptr<ProcessGroup> group_;
 };
-
-// The strategy for `options`: SingleProcess for one process, ZeroReplicated at stages 0-2,
-// ZeroSharded at stage 3 (which joins the ranks first and may take the chain's parameters'
-// storage: the chain must outlive the strategy).
-std::unique_ptr<Strategy> make_strategy(const DistributedOptions& options, Chain& chain);
-// Throws OptionError where the strategy `options` selects cannot run what is asked (checked
-// before any work): a pinned precision or schedule, or state saved in a form it cannot write.
-void check_strategy_options(const DistributedOptions& options, const StepConfig& step, bool precision_pinned,
-                            bool checkpoint_pinned, const StateUse& state, int blocks);
 
 // For data-parallel strategies: checks that every rank has the same parameter count and bytes
 // and the same ZeRO stage, then broadcasts rank 0's weights. Ranks build the model from the same

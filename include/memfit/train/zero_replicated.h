@@ -14,6 +14,7 @@
 #pragma once
 
 #include "memfit/train/strategy.h"
+#include "memfit/train/strategy_registry.h"
 
 namespace memfit {
 
@@ -72,5 +73,8 @@ class ZeroReplicated : public Strategy {
   int64_t total_bytes_ = 0;
   int64_t owned_bytes_ = 0;
 };
+
+// Selected for several ranks at ZeRO stage 0, 1 or 2; refuses a pinned fp16 at stages 1 and 2.
+StrategyEntry zero_replicated_entry();
 
 }  // namespace memfit

@@ -32,6 +32,7 @@
 #include <optional>
 
 #include "memfit/train/strategy.h"
+#include "memfit/train/strategy_registry.h"
 
 namespace memfit {
 
@@ -160,5 +161,9 @@ class ZeroSharded : public Strategy {
   std::map<int, Prefetch> prefetched_;  // by block index: gathers started ahead of their use
   Reduction reduction_;                 // in flight while the next block's backward runs
 };
+
+// Selected for several ranks at ZeRO stage 3; refuses saving or resuming 8-bit state and a
+// pinned schedule that does not recompute every block.
+StrategyEntry zero_sharded_entry();
 
 }  // namespace memfit
