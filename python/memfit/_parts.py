@@ -7,6 +7,7 @@ observer where each part starts (and, where the profiler watches them, when back
 a tensor a block saved). Everything measured, and what it means, is the C++ core's.
 """
 import contextlib
+import weakref
 
 import torch
 
@@ -44,6 +45,37 @@ def _saved_reads(observer, part):
         observer.saved_tensor_read(part)
         return packed
     return torch.autograd.graph.saved_tensors_hooks(lambda t: t, read)
+
+
+class _Joined(torch.autograd.Function):
+    """`out` (made without grad) joined to the graph of `anchors` as a checkpointed segment's
+    output is joined to its input's graph, so the graph the model's own code builds after it
+    stays alive to the loss; and `kept` held by that graph, as a segment's recording holds the
+    tensors it replays the block with. Measuring runs no backward through it."""
+
+    @staticmethod
+    def forward(ctx, out, kept, *anchors):
+        ctx.kept = kept
+        return out.view_as(out)
+
+    @staticmethod
+    def backward(ctx, grad):  # pragma: no cover (never run)
+        raise RuntimeError("memfit: a measuring run's graph was differentiated")
+
+
+def _joined(value, kept, anchors):
+    """A block's output as a checkpointed segment hands it on: its floating-point tensors joined
+    to the graph of `anchors` (the block's inputs and parameters requiring grad), the first of
+    them holding `kept`."""
+    if isinstance(value, torch.Tensor):
+        return _Joined.apply(value, kept, *anchors) if value.is_floating_point() and anchors else value
+    if type(value) in (tuple, list):
+        out = []
+        for v in value:
+            out.append(_joined(v, kept, anchors))
+            kept = () if out[-1] is not v else kept
+        return type(value)(out)
+    return value
 
 
 _SCALARS = (int, float, bool, str, type(None))
@@ -105,6 +137,7 @@ class ModuleParts(_C.PartwiseModel):
         self.model, self.loss_fn, self.batch, self.blocks, self._device = model, loss_fn, batch, blocks, device
         self._samples = _batch.sample_count(batch)
         self._parameters = [p for p in model.parameters() if p.requires_grad]
+        self._previous_output = None  # a weak reference to the last block's main output, in a run as inside a segment
 
     def parts(self):
         return len(self.blocks) + 2
@@ -137,8 +170,9 @@ class ModuleParts(_C.PartwiseModel):
 
     def forward(self, run, observer):
         part = _batch.narrow(self.batch, 0, run.samples)
+        self._previous_output = None
         if observer is not None:
-            handler = self._observing(observer)
+            handler = self._observing(observer, run.blocks_without_grad)
         elif run.recompute_all:
             handler = Checkpointing(self.blocks, [(i, i) for i in range(len(self.blocks))])
         else:
@@ -151,7 +185,24 @@ class ModuleParts(_C.PartwiseModel):
             if intercept is not None:
                 intercept.remove()
 
-    def _observing(self, observer):
+    def _as_in_segment(self, index, args, kwargs, run):
+        """Block `index` run as inside a checkpointed segment (not its first block): without grad,
+        its output joined to the graph, and what _checkpoint's recording keeps of its call held
+        (its arguments, and its input where that is not the previous block's output)."""
+        with torch.no_grad():
+            out = run(args, kwargs)
+        handed = _batch.tensors((args, kwargs))
+        where = _calls.main_input(args, kwargs)
+        x = _calls.get_input(args, kwargs, where) if where else None
+        previous = self._previous_output() if self._previous_output is not None else None
+        kept = tuple(t for t in handed if not (t is x and x is previous))
+        anchors = [t for t in handed if t.requires_grad] + [p for p in self.blocks[index].parameters() if p.requires_grad]
+        out = _joined(out, kept, anchors)
+        output = _calls.main_output(out)
+        self._previous_output = weakref.ref(output) if output is not None else None  # holds nothing past the run
+        return out
+
+    def _observing(self, observer, blocks_without_grad=False):
         last = len(self.blocks) - 1
         watch = observer.watches_saved_reads()
 
@@ -159,8 +210,12 @@ class ModuleParts(_C.PartwiseModel):
             where = _calls.main_input(args, kwargs)
             observer.enter(index + 1, _calls.get_input(args, kwargs, where) if where else None)
             state = _StateWatch(self.blocks[index], args, kwargs)
-            with _saved_reads(observer, index + 1) if watch else contextlib.nullcontext():
-                out = run(args, kwargs)
+            if blocks_without_grad:  # as inside a checkpointed segment (PartRun::blocks_without_grad)
+                out = self._as_in_segment(index, args, kwargs, run)
+            else:
+                with _saved_reads(observer, index + 1) if watch else contextlib.nullcontext():
+                    out = run(args, kwargs)
+            observer.block_returned(index + 1)
             changed = state.changed()
             if changed:
                 observer.state_changed(index + 1, changed)

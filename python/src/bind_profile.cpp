@@ -68,12 +68,14 @@ void bind_model(py::module_& m) {
   py::class_<PartRun>(m, "PartRun")
       .def_readonly("samples", &PartRun::samples)
       .def_property_readonly("precision", [](const PartRun& r) { return std::string(precision_name(r.precision)); })
-      .def_readonly("recompute_all", &PartRun::recompute_all);
+      .def_readonly("recompute_all", &PartRun::recompute_all)
+      .def_readonly("blocks_without_grad", &PartRun::blocks_without_grad);
   py::class_<PartObserver>(m, "PartObserver")
       .def("enter", [](PartObserver& o, int part, std::optional<at::Tensor> input) { o.enter(part, input.value_or(at::Tensor())); })
       .def("watches_saved_reads", &PartObserver::watches_saved_reads)
       .def("saved_tensor_read", &PartObserver::saved_tensor_read)
-      .def("state_changed", &PartObserver::state_changed);
+      .def("state_changed", &PartObserver::state_changed)
+      .def("block_returned", &PartObserver::block_returned);
   py::class_<PartwiseModel, PyPartwiseModel>(m, "PartwiseModel").def(py::init<>());
   py::class_<ProfileOptions>(m, "ProfileOptions")
       .def(py::init<>())

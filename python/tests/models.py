@@ -163,8 +163,40 @@ def lstm_loss(model, batch):
     return F.cross_entropy(logits.flatten(0, 1), batch["labels"].flatten())
 
 
+class UNet(nn.Module):
+    """Down blocks whose outputs a later up block reads (skips), pooled between blocks, and up
+    blocks that upsample and concatenate first: code between the blocks that saves tensors and
+    keeps a block's output alive, whether or not the blocks are recomputed."""
+
+    def __init__(self, widths=(8, 16, 32), classes=3):
+        super().__init__()
+
+        def convs(cin, cout):
+            return nn.Sequential(nn.Conv2d(cin, cout, 3, padding=1), nn.BatchNorm2d(cout), nn.ReLU(),
+                                 nn.Conv2d(cout, cout, 3, padding=1), nn.BatchNorm2d(cout), nn.ReLU())
+        self.downs = nn.ModuleList([convs(3 if i == 0 else widths[i - 1], w) for i, w in enumerate(widths)])
+        self.ups = nn.ModuleList([nn.ConvTranspose2d(widths[i], widths[i - 1], 2, stride=2)
+                                  for i in range(len(widths) - 1, 0, -1)])
+        self.up_convs = nn.ModuleList([convs(2 * widths[i - 1], widths[i - 1]) for i in range(len(widths) - 1, 0, -1)])
+        self.out = nn.Conv2d(widths[0], classes, 1)
+
+    def forward(self, x):
+        skips = []
+        for i, down in enumerate(self.downs):
+            x = down(x if i == 0 else F.max_pool2d(x, 2))
+            skips.append(x)
+        for up, conv, skip in zip(self.ups, self.up_convs, reversed(skips[:-1])):
+            x = conv(torch.cat([up(x), skip], dim=1))
+        return self.out(x)
+
+
+def unet_batch(batch=8, size=64, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(batch, 3, size, size, generator=g), torch.randint(0, 3, (batch, size, size), generator=g)
+
+
 def make(name, seed=0):
-    """(model, batch, loss_fn) for 'gpt', 'gpt_hf_like', 'cnn', 'mlp' or 'lstm', seeded."""
+    """(model, batch, loss_fn) for 'gpt', 'gpt_hf_like', 'cnn', 'mlp', 'lstm' or 'unet', seeded."""
     torch.manual_seed(seed)
     if name == "gpt":
         return GPT(), gpt_batch(seed=seed), gpt_loss
@@ -176,4 +208,6 @@ def make(name, seed=0):
         return mlp(), mlp_batch(seed=seed), mlp_loss
     if name == "lstm":
         return RecurrentLM(), gpt_batch(seed=seed), lstm_loss
+    if name == "unet":
+        return UNet(), unet_batch(seed=seed), cnn_loss
     raise ValueError(name)

@@ -43,6 +43,9 @@ void fit_block_bytes(const BlockCost& lo, const BlockMoments* lo_moments, int64_
   f.backward_held_by_segment_bytes = held(&BlockCost::backward_held_by_segment_bytes, &BlockMoments::backward_segment_end);
   f.backward_held_all_bytes = held(&BlockCost::backward_held_all_bytes, &BlockMoments::backward_all);
   f.recompute_start_extra_bytes = calibrated(fit(&BlockCost::recompute_start_extra_bytes), calibration);
+  f.segment_kept_bytes = calibrated(fit(&BlockCost::segment_kept_bytes), calibration);
+  const bool block_alone = lo.recompute_peak >= 0 && hi.recompute_peak >= 0;
+  f.recompute_peak = block_alone ? calibrated(fit(&BlockCost::recompute_peak), calibration) : -1;
   const bool streamed = lo.backward_peak_streamed >= 0 && hi.backward_peak_streamed >= 0;
   f.backward_peak_streamed = streamed ? calibrated(fit(&BlockCost::backward_peak_streamed), calibration) : -1;
 }
@@ -98,6 +101,7 @@ ChainCosts block_costs_at(const PrecisionProfile& p, int64_t m) {
     f.recomputable = l.recomputable;
     f.input_copy_kept = l.input_copy_kept;
     f.keeps_own_output = l.keeps_own_output;
+    f.segment_output_kept = l.segment_output_kept;
     f.shared_gradient_bytes = l.shared_gradient_bytes;
     f.param_bytes = s.param_bytes;
     f.cast_bytes = s.cast_bytes;

@@ -158,6 +158,7 @@ PartCosts part_costs(const PartwiseModel& model, const MemoryTracker& tracker, M
     const int64_t own_output = c.keeps_own_output ? c.output_bytes : 0;
     const PartOffsets o{bases[i] + left[i], bases[i] + later_gradients + own_output + internal[i]};
     c.forward_peak = std::max<int64_t>(0, r.forward_peak[i] - o.forward);
+    if (r.block_forward_peak[i] >= 0) c.recompute_peak = std::max<int64_t>(0, r.block_forward_peak[i] - o.forward);
     c.backward_peak = std::max<int64_t>(0, r.backward_peak[i] - o.backward);
     c.param_bytes = r.gradient_bytes[i];
     c.cast_bytes = 0;  // measured inside the parts' own bytes (casts made as the step makes them)
@@ -214,8 +215,13 @@ void add_nograd(PartCosts& parts, const MemoryTracker& tracker, MemoryDevice dev
   for (size_t i = 0; i < parts.costs.size(); ++i) {
     const EventSpan& span = nograd.forward_events[i];
     const int64_t peak = nograd.forward_peak[i] - span.live0;
-    parts.costs[i].forward_nograd_peak = std::max<int64_t>(0, peak);
+    BlockCost& c = parts.costs[i];
+    c.forward_nograd_peak = std::max<int64_t>(0, peak);
     parts.moments[i].forward_nograd = moments_of(tracker, device, span, span.live0, peak);
+    if (i + 1 == parts.costs.size()) continue;  // the last part (the loss) is never in a segment
+    c.segment_output_kept = nograd.output_alive[i];
+    const int64_t output = c.segment_output_kept ? nograd.output_bytes[i] : 0;
+    c.segment_kept_bytes = std::max<int64_t>(0, nograd.kept_bytes[i] - output);
   }
 }
 

@@ -45,7 +45,8 @@ void add_accumulating(PartCosts& parts, const MemoryTracker& tracker, MemoryDevi
 void add_streamed(PartCosts& parts, const PartsMeasured& plain, const PartsMeasured& streamed);
 
 // The forward without grad's peaks, each above its part's start (its input alive: the schedule
-// counts the input, and what earlier parts left, beside it), and their moments.
+// counts the input, and what earlier parts left, beside it), and their moments; what each part
+// keeps to the end of that forward (BlockCost::segment_kept_bytes, segment_output_kept).
 void add_nograd(PartCosts& parts, const MemoryTracker& tracker, MemoryDevice device, const PartsMeasured& nograd);
 
 }  // namespace memfit

@@ -63,6 +63,7 @@ class PartRecorder final : public PartObserver, public std::enable_shared_from_t
     m_.forward_seconds.assign(n, 0);
     m_.backward_seconds.assign(n, 0);
     m_.forward_peak.assign(n, 0);
+    m_.block_forward_peak.assign(n, -1);
     m_.backward_peak.assign(n, 0);
     m_.forward_events.assign(n, {});
     m_.backward_events.assign(n, {});
@@ -98,6 +99,10 @@ class PartRecorder final : public PartObserver, public std::enable_shared_from_t
   }
 
   bool watches_saved_reads() const override { return watch_reads_; }
+
+  void block_returned(int part) override {
+    if (part == open_) m_.block_forward_peak[part] = tracker_.peak(device_);
+  }
 
   void state_changed(int part, const std::string& what) override {
     if (part >= 0 && part < count_ && m_.state_changes[part].empty()) m_.state_changes[part] = what;
@@ -304,12 +309,15 @@ PartsMeasured measure_parts_nograd(PartwiseModel& model, MemoryTracker& tracker,
   release_gradients(model);
   auto recorder = std::make_shared<PartRecorder>(model, tracker, device, false, false);
   RunScope scope(model, tracker);
-  at::NoGradGuard no_grad;
+  PartRun segment = run;
+  segment.blocks_without_grad = true;
   PhaseGuard phase(Phase::kForward);
   recorder->begin_forward();
-  const at::Tensor loss = model.forward(run, recorder.get());
+  at::Tensor loss = model.forward(segment, recorder.get());
   recorder->end_forward(loss);
+  recorder->note_end_of_forward();  // what each part keeps in a segment: the code around its block
   recorder->check_order();
+  loss = at::Tensor();
   return recorder->take();
 }
 

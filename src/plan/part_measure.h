@@ -48,6 +48,7 @@ struct PartsMeasured {
   int64_t run_live0 = 0;                 // when the run started
   std::vector<double> forward_seconds, backward_seconds;
   std::vector<int64_t> forward_peak, backward_peak;
+  std::vector<int64_t> block_forward_peak;  // when its block returned (-1: the part is its block)
   std::vector<EventSpan> forward_events, backward_events;
   std::vector<int64_t> output_bytes;     // of the tensor the next part started on (0: the batch as it is)
   std::vector<int64_t> gradient_bytes;   // parameters whose gradients its backward made

@@ -1,5 +1,7 @@
 #include "memfit/plan/partwise.h"
 
+#include <optional>
+
 #include <torch/torch.h>
 
 #include "memfit/runtime/step.h"
@@ -46,6 +48,9 @@ at::Tensor ChainParts::forward(const PartRun& run, PartObserver* observer) {
   } clear{chain};
   StepConfig config;
   config.precision = run.precision;
+  // A chain has no code between its blocks: the whole forward runs without grad.
+  std::optional<at::NoGradGuard> no_grad;
+  if (run.blocks_without_grad) no_grad.emplace();
   return forward_loss(workload_, batch_.slice(0, run.samples), config, run.recompute_all);
 }
 

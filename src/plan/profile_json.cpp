@@ -14,7 +14,8 @@ namespace {
 namespace jf = json_fields;
 
 // `recomputable` is written only where false (a Python model's parts around its blocks),
-// `forward_left_bytes` and `recompute_start_extra_bytes` only where not 0 and
+// `forward_left_bytes`, `recompute_start_extra_bytes` and `segment_kept_bytes` only where not 0,
+// `segment_output_kept` only where true, `recompute_peak` only where measured and
 // `backward_peak_streamed` only where measured (by the Python front), so a CLI model's profile
 // reads as before.
 nlohmann::json block_cost_json(const BlockCost& b) {
@@ -33,6 +34,9 @@ nlohmann::json block_cost_json(const BlockCost& b) {
   if (b.forward_left_bytes != 0) j["forward_left_bytes"] = b.forward_left_bytes;
   if (b.recompute_start_extra_bytes != 0) j["recompute_start_extra_bytes"] = b.recompute_start_extra_bytes;
   if (b.backward_peak_streamed >= 0) j["backward_peak_streamed"] = b.backward_peak_streamed;
+  if (b.segment_kept_bytes != 0) j["segment_kept_bytes"] = b.segment_kept_bytes;
+  if (b.recompute_peak >= 0) j["recompute_peak"] = b.recompute_peak;
+  if (b.segment_output_kept) j["segment_output_kept"] = true;
   return j;
 }
 
@@ -61,6 +65,9 @@ BlockCost block_cost_from_json(const nlohmann::json& j) {
   b.recompute_start_extra_bytes =
       j.contains("recompute_start_extra_bytes") ? jf::integer(j, "recompute_start_extra_bytes") : 0;
   b.backward_peak_streamed = j.contains("backward_peak_streamed") ? jf::integer(j, "backward_peak_streamed") : -1;
+  b.segment_kept_bytes = j.contains("segment_kept_bytes") ? jf::integer(j, "segment_kept_bytes") : 0;
+  b.recompute_peak = j.contains("recompute_peak") ? jf::integer(j, "recompute_peak") : -1;
+  b.segment_output_kept = j.contains("segment_output_kept") && jf::boolean(j, "segment_output_kept");
   return b;
 }
 

@@ -91,7 +91,18 @@ struct Model {
   int64_t held(const Unit& u) const {
     if (u.offloaded) return stays(u);  // the rest is on the host until its backward
     if (!u.checkpointed) return internal(u.first) + copy_kept(u, u.first);
-    return c.segment_overhead_bytes + casts_from[u.first] - casts_from[u.last + 1];
+    return c.segment_overhead_bytes + casts_from[u.first] - casts_from[u.last + 1] + segment_kept(u, u.last + 1);
+  }
+  int64_t recompute_peak(int k) const { return b(k).recompute_peak >= 0 ? b(k).recompute_peak : b(k).forward_peak; }
+  // What the blocks of segment u before block `end` keep to the end of forward all the same: the
+  // tensors the model's own code between them saves, and their outputs where that code keeps them
+  // (the segment's last output is the next unit's input, counted there).
+  int64_t segment_kept(const Unit& u, int end) const {
+    int64_t bytes = 0;
+    for (int k = u.first; k < end; ++k) {
+      bytes += b(k).segment_kept_bytes + (k < u.last && b(k).segment_output_kept ? b(k).output_bytes : 0);
+    }
+    return bytes;
   }
 
   // The highest live bytes while unit u runs forward and backward, given `before` bytes held by
@@ -127,15 +138,18 @@ struct Model {
     int64_t p = 0;
     for (int k = u.first; k <= u.last; ++k) {
       const int64_t input = k > u.first ? b(k - 1).output_bytes : 0;
-      p = std::max(p, base_forward + in_forward(k) + input + copy(u, k) + b(k).forward_nograd_peak);
+      p = std::max(p, base_forward + in_forward(k) + segment_kept(u, k) + input + copy(u, k) + b(k).forward_nograd_peak);
     }
     // Backward: the segment runs again keeping everything (and the random state it found, put
     // back after it; the forward's leftovers are gone), then its blocks' backward.
     const int64_t at_recompute = c.non_reentrant ? b(u.last).recompute_start_extra_bytes : 0;
+    // Each block runs alone (the model's code between blocks is not run again: what it saved in
+    // forward is still there for the blocks not yet recomputed).
     int64_t kept = 0;
     for (int k = u.first; k <= u.last; ++k) {
-      p = std::max(p, base + c.segment_overhead_bytes + grads + delta + at_recompute + kept + copy(u, k) +
-                          b(k).forward_peak);
+      const int64_t from_forward = segment_kept(u, u.last) - segment_kept(u, k);
+      p = std::max(p, base + c.segment_overhead_bytes + grads + delta + at_recompute + kept + from_forward + copy(u, k) +
+                          recompute_peak(k));
       kept += b(k).kept_bytes + copy_kept(u, k);
     }
     // Until the segment's backward returns it holds its recomputed output and the gradient that

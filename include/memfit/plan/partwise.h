@@ -39,6 +39,9 @@ class PartObserver {
   // Part `part`'s forward changed state that outlives the call (`what`: a key/value cache it was
   // handed and appended to, a counter of its module): it is not recomputed as if it were pure.
   virtual void state_changed(int part, const std::string& what) = 0;
+  // Part `part`'s block has returned: the rest of the part is the model's own code after it,
+  // which a recompute does not run (a model whose parts are its blocks never calls this).
+  virtual void block_returned(int part) {}
 };
 
 // One forward's settings: the first `samples` samples of the model's batch, at a precision, and
@@ -47,6 +50,10 @@ struct PartRun {
   int64_t samples = 0;
   Precision precision = Precision::kFP32;
   bool recompute_all = false;
+  // The blocks run without grad, as inside a checkpointed segment, each block's output requiring
+  // grad as a recomputed segment's does; the model's own code between blocks runs with grad, as
+  // it does around a segment (it is never recomputed, so the tensors it saves stay).
+  bool blocks_without_grad = false;
 };
 
 class PartwiseModel {

@@ -29,6 +29,8 @@ struct BlockCost {
   int64_t kept_bytes = 0;        // allocated in its forward and alive at the end of forward, plain run
                                  // (includes output_bytes when output_kept)
   int64_t forward_peak = 0;      // above the live bytes at its start, during its forward (with grad)
+  int64_t recompute_peak = -1;   // the same while its block alone runs (what a recompute runs: not
+                                 // the model's own code after the block); -1: forward_peak
   int64_t forward_nograd_peak = 0;  // the same without grad (inside a checkpointed segment)
   int64_t forward_left_bytes = 0;   // what its forward leaves alive until forward ends, besides its
                                     // kept bytes and output: a model's own leftovers (a Python
@@ -67,6 +69,12 @@ struct BlockCost {
                                  // a copy of an input kept by someone else: a checkpointed segment's
                                  // saved input (forward and recompute), the chain's input (block 0)
   bool input_copy_kept = false;  // its graph keeps that copy for backward (not as its output)
+  // Inside a checkpointed segment: what its part keeps to the end of forward all the same (the
+  // tensors that the model's own code between blocks saves: it runs with grad and is never
+  // recomputed; 0 for a chain, whose blocks are the whole model), besides its output; and
+  // whether that code keeps its output (a U-Net's skip read by a later block, pooled first).
+  int64_t segment_kept_bytes = 0;
+  bool segment_output_kept = false;
   int64_t shared_gradient_bytes = 0;  // parts of gradients of parameters shared with later blocks
                                       // (tied weights), waiting to be summed during its backward
                                       // when gradients are already there (in place otherwise)
