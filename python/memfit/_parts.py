@@ -56,7 +56,7 @@ class _Joined(torch.autograd.Function):
     @staticmethod
     def forward(ctx, out, kept, *anchors):
         ctx.kept = kept
-        return out.view_as(out)
+        return out.detach()  # the same storage, not a view: the model's code may write into it
 
     @staticmethod
     def backward(ctx, grad):  # pragma: no cover (never run)

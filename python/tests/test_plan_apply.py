@@ -94,6 +94,40 @@ def test_recomputing_blocks_of_a_model_with_skips_is_predicted_within_1_percent(
         f"{plan}\nmeasured {measured}, predicted {plan.predicted_peak_bytes}"
 
 
+def test_a_model_writing_into_a_blocks_output_plans_and_steps_as_plain():
+    """The model's own code after a block may write into the block's output (torchvision's
+    DenseNet: relu inplace on the features): measuring runs it as a step does."""
+    torch.manual_seed(0)
+    layers = torch.nn.ModuleList([torch.nn.Linear(64, 64) for _ in range(4)])
+
+    class InPlace(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.layers = layers
+
+        def forward(self, x):
+            for layer in self.layers:
+                x = torch.nn.functional.relu(layer(x), inplace=True)
+            return x
+
+    model, reference = InPlace(), copy.deepcopy(InPlace())
+    reference.load_state_dict(model.state_dict())
+    x, y = torch.randn(64, 64), torch.randn(64, 64)
+
+    def loss_fn(m, b):
+        return torch.nn.functional.mse_loss(m(b[0]), b[1])
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    plan = memfit.plan(model, opt, loss_fn, (x, y), "1GiB", micro_batch=16, progress=False)
+    loss_fn(reference, (x, y)).backward()
+    step = memfit.apply(model, opt, plan)
+    try:
+        step.gradients((x, y))
+    finally:
+        memfit.remove(model)
+    for p, r in zip(model.parameters(), reference.parameters()):
+        torch.testing.assert_close(p.grad, r.grad, rtol=1e-5, atol=1e-6)
+
+
 def test_plan_reads_as_a_table_and_json():
     model, batch, loss_fn = make("gpt")
     opt = torch.optim.AdamW(model.parameters())
