@@ -25,6 +25,7 @@ here = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.join(here, "..", "harness"))
 sys.path.insert(0, here)
 import foreign_models  # noqa: E402
+from real_models import describe, plain, steps_peak  # noqa: E402
 from unnamed_models import applied_peak  # noqa: E402
 
 FRACTIONS = (0.6, 0.45, 0.3)
@@ -78,13 +79,6 @@ def cli_rows(cli, name, d):
         yield fraction, plain, budget, plan, j["predicted"]["peak_bytes"], j["measured"]["peak_bytes"]
 
 
-def steps_peak(step, batch, budget, steps=3):
-    with memfit.budget(budget) as b:
-        for _ in range(steps):
-            step(batch)
-    return b.peak_bytes
-
-
 def python_row(name, fraction):
     """One budget's row from the Python front, everything made afresh (and gone after)."""
     eager, _, data, batch_size, loss_fn = MODELS[name]
@@ -94,22 +88,14 @@ def python_row(name, fraction):
     batch = (d["inputs"][:batch_size].clone(), d["targets"][:batch_size].clone())
     del d
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
-
-    def plain(b):
-        loss_fn(model, b).backward()
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-    plain_peak = steps_peak(plain, batch, 1 << 40, steps=2)
+    plain_peak = steps_peak(plain(model, opt, loss_fn), batch, 1 << 40, steps=2)
     budget = int(plain_peak * fraction)
     try:
         plan = memfit.plan(model, opt, loss_fn, batch, budget, offload="auto", progress=False)
     except memfit.BudgetError as e:
         return fraction, plain_peak, budget, f"none: {str(e).splitlines()[0]}", None, None
     _, measured, _ = applied_peak(model, opt, plan, batch, budget, peak_of=steps_peak)
-    offloaded = ", optimizer offloaded" if plan.optimizer_offloaded else ""
-    described = (f"{plan.micro_batch} x {plan.accumulation}, {plan.precision}, {len(plan.checkpointed)} recomputed, "
-                 f"{plan.optimizer_state} state{offloaded}")
-    return fraction, plain_peak, budget, described, plan.predicted_peak_bytes, measured
+    return fraction, plain_peak, budget, describe(plan), plan.predicted_peak_bytes, measured
 
 
 def python_rows(name):

@@ -10,6 +10,7 @@ step went over its budget or missed its prediction by more than 3% either way.
     OMP_WAIT_POLICY=passive .venv-py/bin/python bench/python/model_kinds.py [NAME-PART ...]
 """
 import gc
+import os
 import sys
 
 import torch
@@ -17,6 +18,10 @@ import torch.nn.functional as F
 from torch import nn
 
 import memfit
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from real_models import describe, plain, steps_peak  # noqa: E402
+from unnamed_models import applied_peak  # noqa: E402
 
 FRACTIONS = (0.6, 0.45, 0.3)
 TOLERANCE = 0.03
@@ -125,25 +130,13 @@ MODELS = {
 }
 
 
-def steps_peak(step, batch, budget, steps=3):
-    with memfit.budget(budget) as b:
-        for _ in range(steps):
-            step(batch)
-    return b.peak_bytes
-
-
 def row(label, make, fraction):
     """One budget's row, everything made afresh (and gone after)."""
     torch.manual_seed(0)
     model, batch, loss_fn = make()
     model.train()
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
-
-    def plain(b):
-        loss_fn(model, b).backward()
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-    plain_peak = steps_peak(plain, batch, 1 << 40, steps=2)
+    plain_peak = steps_peak(plain(model, opt, loss_fn), batch, 1 << 40, steps=2)
     budget = int(plain_peak * fraction)
     offload = "auto" if fraction < 0.4 else "none"
     head = f"| {label} | {fraction:.0%} | {plain_peak / MIB:.1f} | {budget / MIB:.1f} |"
@@ -151,17 +144,10 @@ def row(label, make, fraction):
         plan = memfit.plan(model, opt, loss_fn, batch, budget, offload=offload, progress=False)
     except (memfit.BudgetError, ValueError) as e:
         return f"{head} none: {str(e).splitlines()[0]} | | | | NO |"
-    step = memfit.apply(model, opt, plan)
-    try:
-        measured = steps_peak(step, batch, budget)
-    finally:
-        memfit.remove(model)
+    step, measured, _ = applied_peak(model, opt, plan, batch, budget, peak_of=steps_peak)
     error = (measured - plan.predicted_peak_bytes) / plan.predicted_peak_bytes
-    where = ", optimizer offloaded" if plan.optimizer_offloaded else ""
-    described = (f"{plan.micro_batch} x {plan.accumulation}, {plan.precision}, {len(plan.checkpointed)}/"
-                 f"{len(plan.block_names)} recomputed, {plan.optimizer_state} state{where}")
     ok = "yes" if measured <= budget and abs(error) <= TOLERANCE and step.oom_splits == 0 else "NO"
-    return (f"{head} {described} | {plan.predicted_peak_bytes / MIB:.2f} | {measured / MIB:.2f} | {error:+.2%} | "
+    return (f"{head} {describe(plan)} | {plan.predicted_peak_bytes / MIB:.2f} | {measured / MIB:.2f} | {error:+.2%} | "
             f"{ok} |")
 
 

@@ -23,14 +23,21 @@ struct Model {
   std::vector<int64_t> grads_after;  // grads_after[k]: gradient bytes of blocks > k
   std::vector<int64_t> casts_from;   // casts_from[k]: autocast copies of blocks >= k (cached ahead)
   std::vector<int64_t> left_before;  // left_before[k]: forward leftovers of blocks < k (never below 0)
+  // In a segment, what blocks < k keep all the same (segment_kept_bytes), and their outputs kept there.
+  std::vector<int64_t> segment_kept_before, segment_outputs_before;
 
   explicit Model(const ChainCosts& costs) : c(costs) {
     const int n = static_cast<int>(c.blocks.size());
     grads_after.assign(static_cast<size_t>(n) + 1, 0);
     casts_from.assign(static_cast<size_t>(n) + 1, 0);
     left_before.assign(static_cast<size_t>(n) + 1, 0);
+    segment_kept_before.assign(static_cast<size_t>(n) + 1, 0);
+    segment_outputs_before.assign(static_cast<size_t>(n) + 1, 0);
     for (int k = 0; k < n; ++k) {
-      left_before[k + 1] = std::max<int64_t>(0, left_before[k] + c.blocks[k].forward_left_bytes);
+      const BlockCost& blk = c.blocks[k];
+      left_before[k + 1] = std::max<int64_t>(0, left_before[k] + blk.forward_left_bytes);
+      segment_kept_before[k + 1] = segment_kept_before[k] + blk.segment_kept_bytes;
+      segment_outputs_before[k + 1] = segment_outputs_before[k] + (blk.segment_output_kept ? blk.output_bytes : 0);
     }
     for (int k = n - 1; k >= 0; --k) {
       const bool carried = k + 1 < n && !c.gradients_streamed;
@@ -98,11 +105,8 @@ struct Model {
   // tensors the model's own code between them saves, and their outputs where that code keeps them
   // (the segment's last output is the next unit's input, counted there).
   int64_t segment_kept(const Unit& u, int end) const {
-    int64_t bytes = 0;
-    for (int k = u.first; k < end; ++k) {
-      bytes += b(k).segment_kept_bytes + (k < u.last && b(k).segment_output_kept ? b(k).output_bytes : 0);
-    }
-    return bytes;
+    return segment_kept_before[end] - segment_kept_before[u.first] + segment_outputs_before[std::min(end, u.last)] -
+           segment_outputs_before[u.first];
   }
 
   // The highest live bytes while unit u runs forward and backward, given `before` bytes held by
