@@ -1,5 +1,6 @@
 // The planner's cost model on costs written by hand (plan_hand_costs.h): ZeRO 3's shards,
-// gathered blocks and the prefetch in flight; peak moments; the measured costs' JSON form.
+// gathered blocks and the prefetch in flight; peak moments; the measured costs' JSON form;
+// batches of other lengths (batch_shape.h).
 #include <gtest/gtest.h>
 
 #include <algorithm>
@@ -213,6 +214,78 @@ TEST(PeakMomentsTest, ThePeakElsewhereIsTheHighestOfTheMomentsLines) {
   EXPECT_EQ(block_costs_at(p, 8).blocks[0].backward_peak, block_costs_at(hand_profile(Precision::kFP32, 1.0), 8).blocks[0].backward_peak);
   p.large.moments[1].backward.pattern = 43;
   EXPECT_EQ(block_costs_at(p, 8).blocks[1].backward_peak, secant);
+}
+
+// The hand profile at sequence length L: each block keeps, per sample, 100 L + L^2 bytes (its
+// activations and attention-like scores) on top of the hand costs' per-sample bytes.
+PrecisionProfile hand_profile_at(int64_t length) {
+  PrecisionProfile p = hand_profile(Precision::kFP32, 1.0);
+  const int64_t per_sample = 100 * length + length * length;
+  for (ChainProfile* c : {&p.small, &p.large}) {
+    for (BlockCost& b : c->blocks) {
+      b.kept_bytes += per_sample * c->micro_batch;
+      b.forward_peak += per_sample * c->micro_batch;
+      b.backward_peak += per_sample * c->micro_batch;
+      b.backward_peak_accumulating += per_sample * c->micro_batch;
+    }
+  }
+  return p;
+}
+
+std::vector<LengthProfile> shorter_lengths(int64_t length) {
+  std::vector<LengthProfile> out;
+  for (int64_t l : lengths_to_profile(length)) out.push_back({l, hand_profile_at(l)});
+  return out;
+}
+
+// Costs quadratic in the length are found exactly at lengths between and beyond the measured ones.
+TEST(BatchShapeTest, CostsAtALengthFollowTheQuadraticThroughThreeLengths) {
+  std::vector<LengthProfile> measured = shorter_lengths(64);
+  measured.push_back({64, hand_profile_at(64)});
+  for (int64_t length : {24, 48, 100, 200}) {
+    const PrecisionProfile fitted = profile_at_length(measured, length), expected = hand_profile_at(length);
+    for (size_t i = 0; i < expected.large.blocks.size(); ++i) {
+      EXPECT_EQ(fitted.large.blocks[i].kept_bytes, expected.large.blocks[i].kept_bytes) << length;
+      EXPECT_EQ(fitted.small.blocks[i].backward_peak, expected.small.blocks[i].backward_peak) << length;
+      EXPECT_EQ(fitted.large.blocks[i].output_bytes, expected.large.blocks[i].output_bytes) << length;
+    }
+  }
+}
+
+// Each batch shape gets the plan the Planner makes on the costs at its length: the planned
+// shape the plan itself; a longer batch fewer samples per micro-batch (or more recompute) under
+// the same budget; beyond the longest, none.
+TEST(BatchShapeTest, EachShapeIsPlannedFromItsCostsUnderTheBudget) {
+  WorkloadProfile at64 = hand_workload();
+  at64.precisions = {hand_profile_at(64)};
+  const Planner planner(at64, hand_request());
+  const int64_t budget = planner.plan(int64_t{1} << 40).plain_predicted_peak * 6 / 10;
+  const Plan plan = planner.plan(budget);
+  ASSERT_TRUE(plan.feasible);
+  ShapePlanner shapes(planner, plan, 64, shorter_lengths(64));
+
+  const Plan& same = shapes.choose(8, 64);
+  EXPECT_EQ(same.config.micro_batch_size(), plan.config.micro_batch_size());
+  EXPECT_EQ(same.config.checkpoint.segments, plan.config.checkpoint.segments);
+  EXPECT_EQ(same.predicted_peak, plan.predicted_peak);
+
+  WorkloadProfile at128 = at64;
+  at128.precisions = {hand_profile_at(128)};
+  at128.batch_bytes = at64.batch_bytes * 2;
+  const Plan expected = Planner(at128, hand_request()).plan(budget);
+  const Plan& longer = shapes.choose(8, 128);
+  ASSERT_TRUE(longer.feasible);
+  EXPECT_EQ(longer.predicted_peak, expected.predicted_peak);
+  EXPECT_EQ(longer.config.micro_batch_size(), expected.config.micro_batch_size());
+  EXPECT_LE(longer.predicted_peak, budget);
+  EXPECT_TRUE(longer.config.micro_batch_size() < plan.config.micro_batch_size() ||
+              longer.config.checkpoint.segments.size() > plan.config.checkpoint.segments.size());
+
+  const int64_t longest = shapes.longest(8);
+  ASSERT_GT(longest, 128);
+  EXPECT_TRUE(shapes.choose(8, longest).feasible);
+  EXPECT_FALSE(shapes.choose(8, longest + 1).feasible);
+  EXPECT_TRUE(shapes.choose(3, 64).feasible);  // a short last batch
 }
 
 }  // namespace

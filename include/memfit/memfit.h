@@ -45,6 +45,7 @@
 
 // plan/: profiles, the checkpoint-schedule DP, the planner (pure search), the plan job
 // (measure, then search), verification, per-rank state.
+#include "memfit/plan/batch_shape.h"
 #include "memfit/plan/cost_fit.h"
 #include "memfit/plan/job.h"
 #include "memfit/plan/optimizer_costs.h"

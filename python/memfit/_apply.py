@@ -35,9 +35,10 @@ class Step:
     """One optimizer step of a plan: ``step(batch) -> float`` (the loss, by value).
 
     Each call releases the gradients (``zero_grad(set_to_none=True)``), runs the batch in
-    micro-batches of ``plan.micro_batch`` samples (each loss weighted by its share of the
-    samples, so the gradients are the whole batch's mean), under autocast at the plan's
-    precision, with the plan's blocks checkpointed; then the optimizer steps (through PyTorch's
+    micro-batches (each loss weighted by its share of the samples, so the gradients are the
+    whole batch's mean), under autocast at the plan's precision, with blocks checkpointed: the
+    micro-batch and the blocks chosen for the batch's shape before it runs (``plan.micro_batch``
+    and ``plan.checkpointed`` for the planned batch; ``step.last_choice`` says); then the optimizer steps (through PyTorch's
     GradScaler for fp16) and the gradients are released again.
 
     ``optimizer`` is the optimizer that steps: the user's own, or, where the plan keeps 8-bit
@@ -75,6 +76,8 @@ class Step:
         # Where the step's gradient sums are held: the parameters, or offloaded, their host masters.
         self._gradient_holders = self.offload.masters if self.offload else self._parameters
         self._steps = 0
+        self._micro_batch_cap = None  # set by a real out-of-memory error: the recovery's micro-batch
+        self.last_choice = None  # the last batch's plan by its shape (the C++ planner's dict)
         # Always installed: a micro-batch redone after an out-of-memory error recomputes every block.
         self.checkpointing = Checkpointing(plan._blocks, plan.segments, plan.never_recomputed)
         self._cache = CacheOff(model) if plan._cache_off else None
@@ -160,22 +163,50 @@ class Step:
         """The micro-batch loop (memfit's C++ one, runtime/step.h), its out-of-memory errors decided
         by memfit's C++ policy; each micro-batch run here."""
         samples = _batch.sample_count(batch)
+        micro_batch, segments = self._planned_for(batch, samples)
+        self.checkpointing.use(segments)
         recovery = _C.SplitRecovery(samples, len(self.plan._blocks), lambda text: note(self.observer, text))
         self._steps += 1
-        recovery.begin_step(self._steps, self.plan.segments, format_bytes(self.budget))
+        recovery.begin_step(self._steps, segments, format_bytes(self.budget))
 
         def run(part):
             return self._micro_batch(_batch.narrow(batch, part.start, part.length), part.weight, part.recompute_all)
 
         # Offloaded, the device gradients backward left are released too where a micro-batch failed.
         also_released = self._parameters if self.offload is not None else []
-        total, smallest = _C.accumulate_micro_batches(recovery, min(self.micro_batch, samples), run,
+        total, smallest = _C.accumulate_micro_batches(recovery, micro_batch, run,
                                                       list(self._gradient_holders), also_released, str(self.device))
         self.oom_splits += recovery.recoveries
         if recovery.real_oom_in_step:
-            self.micro_batch, always = recovery.next_steps(self.micro_batch, smallest, self.checkpointing.recomputes_all())
+            self.micro_batch, always = recovery.next_steps(micro_batch, smallest, self.checkpointing.recomputes_all())
             self.checkpointing.recompute_all = always
+            self._micro_batch_cap = self.micro_batch
         return total
+
+    def _planned_for(self, batch, samples):
+        """(micro-batch, recomputed segments) for this batch, chosen from its shape before it runs
+        by the C++ rule (plan/batch_shape.h): a longer batch split or recomputed more, a shorter one
+        in fewer micro-batches. The plan's own where it has no rule (a plan given its segments) or
+        nothing fits (the recovery then does what it can); after a real out-of-memory error, never
+        more samples per micro-batch than the recovery left."""
+        shapes = self.plan._shapes
+        chosen = None
+        if shapes is not None:
+            length = _batch.length_of(batch) if shapes.planned_length else 0
+            chosen = shapes.choose(samples, length or 0)
+            self.last_choice = chosen
+            if not chosen["feasible"]:
+                note(self.observer, f"a batch of {samples} samples" + (f" x {length}" if length else "") +
+                     f" fits no plan under {format_bytes(self.budget)}: it runs as planned, recovering as it must")
+                chosen = None
+        if chosen is None:
+            micro_batch, segments = self.micro_batch, self.plan.segments
+        else:
+            micro_batch = chosen["micro_batch"]
+            segments = [(first - 1, last - 1) for first, last in chosen["segments"]]
+        if self._micro_batch_cap is not None:
+            micro_batch = min(micro_batch, self._micro_batch_cap)
+        return min(micro_batch, samples), segments
 
     def _micro_batch(self, micro, weight, recompute_all):
         """Forward + backward of one micro-batch, every block recomputed where the recovery says."""

@@ -74,3 +74,28 @@ def storage_bytes(batch):
 def device_of(batch):
     ts = tensors(batch)
     return ts[0].device if ts else torch.device("cpu")
+
+
+def length_of(batch):
+    """The batch's length: dimension 1 of its token tensors (integer tensors of two or more
+    dimensions: ids, masks, labels), which a DataLoader padding each batch to its longest
+    sequence changes from batch to batch; None where it has none (only its samples vary)."""
+    lengths = {t.shape[1] for t in tensors(batch) if t.dim() >= 2 and not t.is_floating_point() and not t.is_complex()}
+    if len(lengths) > 1:
+        raise ValueError(f"batch: its integer tensors have lengths {sorted(lengths)} along dimension 1; expected one "
+                         "(token ids, masks and labels of one padded length)")
+    return next(iter(lengths), None)
+
+
+def narrow_length(batch, length, planned):
+    """The batch cut to its first `length` positions: dimension 1 of every tensor of two or more
+    dimensions whose dimension 1 is the batch's length `planned` (views)."""
+    if isinstance(batch, torch.Tensor):
+        return batch.narrow(1, 0, length) if batch.dim() >= 2 and batch.shape[1] == planned else batch
+    if isinstance(batch, dict):
+        return type(batch)((k, narrow_length(v, length, planned)) for k, v in batch.items())
+    if isinstance(batch, tuple) and hasattr(batch, "_fields"):
+        return type(batch)(*(narrow_length(v, length, planned) for v in batch))
+    if isinstance(batch, (list, tuple)):
+        return type(batch)(narrow_length(v, length, planned) for v in batch)
+    return batch

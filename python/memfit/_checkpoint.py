@@ -176,13 +176,17 @@ class Checkpointing:
 
     def __init__(self, blocks, segments, never=()):
         self.blocks = blocks
+        self.use(segments)
+        self.each_block = {i: (i, i) for i in range(len(blocks)) if i not in set(never)}
+        self.recompute_all = False
+        self.current = None
+
+    def use(self, segments):
+        """Recomputes these (first, last) segments of blocks from now on (each batch's own plan)."""
         self.segment_of = {}
         for first, last in segments:
             for i in range(first, last + 1):
                 self.segment_of[i] = (first, last)
-        self.each_block = {i: (i, i) for i in range(len(blocks)) if i not in set(never)}
-        self.recompute_all = False
-        self.current = None
 
     def recomputes_all(self):
         """Whether the planned segments recompute every block that may be already."""

@@ -52,8 +52,9 @@ class Plan:
     as a table; ``to_json()`` gives every number.
     """
 
-    def __init__(self, result, blocks, loss_fn, model, batch_size, device, planner, cache_off=False):
+    def __init__(self, result, blocks, loss_fn, model, batch_size, device, planner, cache_off=False, shapes=None):
         self._result = result
+        self._shapes = shapes  # the C++ ShapePlanner: each batch planned by its shape (plan/batch_shape.h)
         self._cache_off = cache_off  # the model's own key/value cache is off while it trains (_cache_off.py)
         self._planner = planner  # the C++ Planner that made it (its request, and the measured costs)
         self._profile = planner.profile()  # the measured costs (C++ WorkloadProfile) the plan was made from
@@ -95,6 +96,7 @@ class Plan:
             "predicted_step_seconds": self.predicted_step_seconds,
             "plain_predicted_peak_bytes": self.plain_predicted_peak_bytes,
             "plain_predicted_step_seconds": self.plain_predicted_step_seconds, "notes": self.notes,
+            "batches": self.batches(),
             "planner": json.loads(self._result["json"]),
             "profile": json.loads(self._profile.to_json()),
         }
@@ -140,9 +142,47 @@ class Plan:
             ("predicted peak", f"{format_bytes(self.predicted_peak_bytes)} of {format_bytes(self.budget_bytes)}"),
             ("predicted step", f"{self.predicted_step_seconds:.3f} s ({ratio:.2f}x the plain step)"),
         ]
+        fits = self._batches_that_fit()
+        if fits:
+            rows.append(("batches that fit", fits))
         lines = [f"  {label:<28}{value}" for label, value in rows]
         lines += [f"  note: {n}" for n in self.notes]
         return "memfit plan\n" + "\n".join(lines)
+
+    def batches(self):
+        """What the budget takes, each batch planned by its shape before it runs (memfit's C++
+        rule, plan/batch_shape.h): ``{"length": L0 (None: the batch has no length, only its
+        samples vary), "longest": the longest batch of the planned samples (-1: any searched,
+        up to 64 x L0), "largest": the most samples at L0 (-1: any), "choices": the plan at
+        half, once and twice L0}``; None for a plan given its segments."""
+        shapes = self._shapes
+        if shapes is None:
+            return None
+        length = shapes.planned_length or None
+        lengths = [length // 2, length, 2 * length] if length else [0]
+        return {"length": length, "longest": shapes.longest(self.batch_size) if length else None,
+                "largest": shapes.largest(length or 0),
+                "choices": [self._choice(self.batch_size, n) for n in lengths if n >= 1 or not length]}
+
+    def _choice(self, samples, length):
+        c = self._shapes.choose(samples, length)
+        return {"samples": samples, "length": length or None, "feasible": c["feasible"], "micro_batch": c["micro_batch"],
+                "accumulation": c["accumulation"], "recomputed": sum(last - first + 1 for first, last in c["segments"]),
+                "predicted_peak_bytes": c["predicted_peak_bytes"]}
+
+    def _batches_that_fit(self):
+        b = self.batches()
+        if b is None:
+            return None
+        def said(n, unit, any_text):
+            return any_text if n < 0 else f"{n} {unit}"
+        choices = "; ".join(
+            f"{c['samples']} x {c['length']}: " + (f"{c['micro_batch']} x {c['accumulation']}, {c['recomputed']} recomputed"
+                                                    if c["feasible"] else "none fits") for c in b["choices"] if c["length"])
+        if b["length"] is None:
+            return f"{said(b['largest'], 'samples', 'any number of samples')}, each planned by its samples before it runs"
+        return (f"{self.batch_size} samples up to {said(b['longest'], 'long', 'any length')}, {b['length']} long with "
+                f"{said(b['largest'], 'samples', 'any number of samples')}; each planned before it runs ({choices})")
 
     def __repr__(self):
         return (f"Plan(micro_batch={self.micro_batch}, accumulation={self.accumulation}, precision={self.precision!r}, "
@@ -255,11 +295,32 @@ def plan(model, optimizer, loss_fn, batch, budget, blocks=None, precisions=("fp3
         if not result["feasible"]:
             raise BudgetError(ask.budget_bytes, result["floor_bytes"],
                               _in_python_terms(_C.below_floor_text(planner, ask.budget_bytes)))
+        shapes = _shape_planner(planner, result, model, loss_fn, batch, found, device, obs)
     finally:
         cache.restore()
         state.restore()
         obs.close()
-    return Plan(result, found, loss_fn, model, ask.batch, device, planner, cache_off)
+    return Plan(result, found, loss_fn, model, ask.batch, device, planner, cache_off, shapes)
+
+
+def _shape_planner(planner, result, model, loss_fn, batch, found, device, obs):
+    """The C++ rule that plans each batch by its shape (plan/batch_shape.h): the plan's precision
+    profiled again on the batch cut to shorter lengths, where the batch has a length."""
+    length = _batch.length_of(batch)
+    shorter = []
+    if length is not None:
+        tracker = _C.Tracker(str(device))
+        try:
+            for cut in _C.lengths_to_profile(length):
+                parts = ModuleParts(model, loss_fn, _batch.narrow_length(batch, cut, length), found, device)
+                options = _profile_options(obs, streamed=result["optimizer_offloaded"])
+                profile = _C.profile_precision(parts, result["precision"], tracker, options)
+                shorter.append(_C.LengthProfile(cut, profile))
+        except (RuntimeError, ValueError, IndexError) as e:  # a model that runs one length only
+            note(obs, f"batches are planned by their samples only: the model did not run the batch cut to "
+                      f"{cut} of its {length} positions ({type(e).__name__}: {str(e).splitlines()[0]})")
+            length, shorter = None, []
+    return _C.ShapePlanner(planner, result["json"], length or 0, shorter)
 
 
 def _probe_forward(model, loss_fn, batch):

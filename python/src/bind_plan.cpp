@@ -9,6 +9,7 @@
 
 #include "bindings.h"
 #include "memfit/errors.h"
+#include "memfit/plan/batch_shape.h"
 #include "memfit/plan/cost_fit.h"
 #include "memfit/plan/job.h"
 #include "memfit/plan/plan_ask.h"
@@ -244,12 +245,43 @@ void bind_planner(py::module_& m) {
   });
 }
 
+// A plan per batch shape (batch_shape.h): `plan_json` is the plan `planner` made (plan_dict's "json").
+void bind_shapes(py::module_& m) {
+  py::class_<LengthProfile>(m, "LengthProfile")
+      .def(py::init([](int64_t length, PrecisionProfile profile) { return LengthProfile{length, std::move(profile)}; }))
+      .def_readonly("length", &LengthProfile::length)
+      .def_readonly("profile", &LengthProfile::profile);
+  m.def("lengths_to_profile", &lengths_to_profile);
+  m.def("profile_at_length", &profile_at_length, py::arg("measured"), py::arg("length"));
+  py::class_<ShapePlanner>(m, "ShapePlanner")
+      .def(py::init([](const Planner& planner, const std::string& plan_json, int64_t length, std::vector<LengthProfile> shorter) {
+        const int blocks = static_cast<int>(planner.profile().precisions.front().large.blocks.size());
+        return ShapePlanner(planner, plan_from_json(nlohmann::json::parse(plan_json), blocks), length, std::move(shorter));
+      }))
+      .def("choose", [](ShapePlanner& s, int64_t samples, int64_t length) { return plan_dict(s.choose(samples, length)); },
+           py::arg("samples"), py::arg("length"))
+      .def(
+          "evaluate",
+          [](const ShapePlanner& s, int64_t samples, int64_t length, int64_t micro_batch,
+             const std::vector<std::pair<int, int>>& segments) {
+            CheckpointPlan checkpoint;
+            checkpoint.segments = segments;
+            return plan_dict(s.evaluate(samples, length, micro_batch, checkpoint));
+          },
+          py::arg("samples"), py::arg("length"), py::arg("micro_batch"), py::arg("segments"))
+      .def("longest", &ShapePlanner::longest, py::call_guard<py::gil_scoped_release>())
+      .def("largest", &ShapePlanner::largest, py::call_guard<py::gil_scoped_release>())
+      .def_property_readonly("planned_length", &ShapePlanner::planned_length)
+      .def_property_readonly("planned_samples", &ShapePlanner::planned_samples);
+}
+
 }  // namespace
 
 void bind_plan(py::module_& m) {
   bind_costs(m);
   bind_request(m);
   bind_planner(m);
+  bind_shapes(m);
 }
 
 }  // namespace memfit::python

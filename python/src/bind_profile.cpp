@@ -102,6 +102,14 @@ void bind_profiler(py::module_& m) {
         return profile_parts_at(model, micro_batch, parse_precision(precision), *tracker.tracker);
       },
       py::arg("model"), py::arg("micro_batch"), py::arg("precision"), py::arg("tracker"));
+  m.def(
+      "profile_precision",
+      [](PartwiseModel& model, const std::string& precision, Tracker& tracker, const ProfileOptions& o) {
+        TrackerScope scope(tracker.tracker);
+        py::gil_scoped_release release;
+        return profile_precision(model, parse_precision(precision), *tracker.tracker, o);
+      },
+      py::arg("model"), py::arg("precision"), py::arg("tracker"), py::arg("options") = ProfileOptions{});
   // The plan for the request's budget, the sizes it (or a close rival) would run timed first on
   // the model (job.h).
   m.def(
