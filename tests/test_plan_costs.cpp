@@ -280,6 +280,10 @@ TEST(BatchShapeTest, EachShapeIsPlannedFromItsCostsUnderTheBudget) {
   EXPECT_LE(longer.predicted_peak, budget);
   EXPECT_TRUE(longer.config.micro_batch_size() < plan.config.micro_batch_size() ||
               longer.config.checkpoint.segments.size() > plan.config.checkpoint.segments.size());
+  // Any configuration of that shape is predicted from the same costs.
+  const CheckpointPlan every_other{{{1, 1}, {3, 3}}};
+  EXPECT_EQ(shapes.evaluate(8, 128, 2, every_other).predicted_peak,
+            Planner(at128, hand_request()).evaluate(2, Precision::kFP32, every_other, budget).predicted_peak);
 
   const int64_t longest = shapes.longest(8);
   ASSERT_GT(longest, 128);

@@ -5,6 +5,7 @@
 #include <malloc.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <filesystem>
 
 namespace memfit {
@@ -114,6 +115,80 @@ TEST(TrainerTest, PartsRunOneByOneAndResumeIsExact) {
 
 // Evaluation follows the training step's recovery rule: a micro-batch that runs out of memory is
 // split in two (inference has nothing to recompute), and the loss is the same to float tolerance.
+// What each step ran, as the Trainer reports it.
+class StepsSeen : public TrainObserver {
+ public:
+  void on_step(const StepEvent& e) override { steps.push_back(e); }
+  std::vector<StepEvent> steps;
+};
+
+// A user's data whose batches are as long as padding makes them (16 to 64 characters), planned
+// on a typical batch of 32: each batch is planned from its length before it runs.
+class PlannedOnAShorterBatch : public Dataset {
+ public:
+  PlannedOnAShorterBatch(std::shared_ptr<Dataset> data, int64_t length) : data_(std::move(data)), length_(length) {}
+  std::string describe() const override { return data_->describe(); }
+  Batch train_batch(int64_t index, int64_t batch_size, uint64_t seed) const override {
+    return data_->train_batch(index, batch_size, seed);
+  }
+  Batch plan_batch(int64_t index, int64_t batch_size, uint64_t seed) const override {
+    const Batch cut = data_->plan_batch(index, batch_size, seed).cut(length_);
+    return {cut.input.contiguous(), cut.target.contiguous()};
+  }
+  bool lengths_vary() const override { return true; }
+  Batch eval_batch(int64_t index, int64_t batch_size) const override { return data_->eval_batch(index, batch_size); }
+  int64_t eval_batch_count(int64_t batch_size) const override { return data_->eval_batch_count(batch_size); }
+
+ private:
+  std::shared_ptr<Dataset> data_;
+  int64_t length_;
+};
+
+// Batches up to twice as long as the planned one need smaller micro-batches or more recompute
+// under the budget: chosen before they run, so no out-of-memory error; every step under the
+// budget, and the losses of the same batches trained plainly (micro-batches change only the
+// order of float sums).
+TEST(TrainerTest, BatchesOfVaryingLengthArePlannedFromTheirLengthBeforeTheyRun) {
+  test::use_memfit_allocator();
+  ModelOptions m = test::small_gpt(5);
+  m.gpt.layers = 4;
+  m.gpt.dropout = 0.0;
+  m.shortest = 16;
+  const auto workload = [&m] {
+    Workload w = make_workload(m);
+    w.data = std::make_shared<PlannedOnAShorterBatch>(w.data, m.gpt.seq / 2);
+    return w;
+  };
+  TrainOptions o;
+  o.step.batch = 16;
+  o.steps = 8;
+  o.pin_precision = true;  // step.precision: fp32
+  o.step.optimizer.state = StatePrecision::kFP32;
+  o.eval_every = 0;
+  TrainOptions plain = o;
+  plain.budget_bytes = int64_t{1} << 40;
+  plain.step.micro_batch = 16;
+  plain.pin_checkpoint = true;  // step.checkpoint: none
+  Workload plain_w = workload();
+  TrainObserver quiet;
+  const TrainSummary reference = train(plain_w, plain, quiet);
+
+  o.budget_bytes = reference.plan.plain_predicted_peak * 45 / 100;
+  Workload w = workload();
+  StepsSeen seen;
+  const TrainSummary s = train(w, o, seen);
+  EXPECT_EQ(s.oom_recoveries, 0);
+  EXPECT_LE(s.peak_bytes, o.budget_bytes);
+  ASSERT_EQ(s.losses.size(), reference.losses.size());
+  for (size_t i = 0; i < s.losses.size(); ++i) EXPECT_NEAR(s.losses[i], reference.losses[i], 1e-4 * reference.losses[i]) << i;
+  const int64_t planned = s.plan.config.micro_batch_size();
+  const auto recomputed = static_cast<int64_t>(s.plan.config.checkpoint.recomputed_blocks().size());
+  const bool lowered_when_longer = std::any_of(seen.steps.begin(), seen.steps.end(), [&](const StepEvent& e) {
+    return e.tokens_per_sample > m.gpt.seq / 2 && (e.micro_batch < planned || e.recomputed_blocks > recomputed);
+  });
+  EXPECT_TRUE(lowered_when_longer) << "no longer batch ran in smaller micro-batches or with more recompute than the plan";
+}
+
 TEST(TrainerTest, EvaluationSplitsAMicroBatchThatRunsOutOfMemory) {
   test::use_memfit_allocator();
   Workload w = user_workload(4);

@@ -16,6 +16,10 @@ void add_workload_flags(CLI::App& app, WorkloadFlags& f) {
   app.add_option("--heads", f.model.gpt.heads, "gpt: attention heads (must divide --d-model)")->capture_default_str();
   app.add_option("--dropout", f.model.gpt.dropout, "gpt: dropout probability")->capture_default_str();
   app.add_option("--seq", f.model.gpt.seq, "gpt: sequence length in characters")->capture_default_str();
+  app.add_option("--shortest", f.model.shortest,
+                 "gpt: each training batch as long as padding makes it, drawn from this to --seq characters (0: all --seq); "
+                 "the plan is made on --seq, each batch planned from its length before it runs")
+      ->capture_default_str();
   app.add_option("--data", f.model.data_file,
                  "gpt: a text file instead of the Bible; a TorchScript model: torch.save({\"inputs\": X, \"targets\": Y})");
   app.add_option("--loss", f.loss, "a TorchScript model's loss: cross-entropy | mse | model (its forward(inputs, targets))")
@@ -152,7 +156,7 @@ const std::map<std::string, std::string>& flag_names() {
       {"optimizer.momentum", "--momentum"}, {"optimizer.weight_decay", "--weight-decay"}, {"optimizer.betas", "--betas"},
       {"optimizer.state", "--optimizer-state"},
       {"gpt.layers", "--layers"}, {"mlp.layers", "--layers"}, {"gpt.d_model", "--d-model"}, {"gpt.heads", "--heads"},
-      {"gpt.seq", "--seq"}, {"gpt.dropout", "--dropout"}, {"gpt.vocab", "--data"}, {"cnn.blocks", "--blocks"},
+      {"gpt.seq", "--seq"}, {"gpt.shortest", "--shortest"}, {"gpt.dropout", "--dropout"}, {"gpt.vocab", "--data"}, {"cnn.blocks", "--blocks"},
       {"cnn.channels", "--channels"}, {"mlp.width", "--width"}, {"world_size", "--world-size"}, {"zero_stage", "--zero"}, {"prefetch_depth", "--prefetch-depth"},
       {"offload", "--offload"}, {"host_budget", "--host-budget"},
       {"distributed.world_size", "--world-size"}, {"distributed.rank", "--rank"}, {"distributed.master", "--master"},

@@ -194,7 +194,7 @@ PrecisionProfile profile_at_length(const std::vector<LengthProfile>& measured, i
 }
 
 ShapePlanner::ShapePlanner(const Planner& planner, const Plan& plan, int64_t length, std::vector<LengthProfile> shorter)
-    : profile_(planner.profile()), request_(planner.request()), budget_(plan.budget_bytes), length_(length),
+    : plan_(plan), profile_(planner.profile()), request_(planner.request()), budget_(plan.budget_bytes), length_(length),
       batch_(planner.profile().batch), lengths_(std::move(shorter)) {
   PrecisionProfile planned = precision_profile(profile_, plan.config.precision);
   if (planned.chain_seconds.empty()) planned.chain_seconds = guessed_seconds(profile_, planned);
@@ -238,6 +238,7 @@ Plan ShapePlanner::evaluate(int64_t samples, int64_t length, int64_t micro_batch
 const Plan& ShapePlanner::choose(int64_t samples, int64_t length) {
   TORCH_CHECK(samples >= 1, "memfit::ShapePlanner: a batch of ", samples, " samples; expected at least one");
   const int64_t l = length_ > 0 ? std::max<int64_t>(1, length) : 0;
+  if (samples == batch_ && l == length_) return plan_;
   auto [it, made] = chosen_.try_emplace({samples, l});
   if (made) it->second = plan_shape(samples, l);
   return it->second;

@@ -124,6 +124,19 @@ bool PlanJob::add_precision_if_missing(Precision precision) {
   return true;
 }
 
+ShapePlanner PlanJob::shape_planner(const Plan& plan) {
+  const Batch batch = batch_();
+  const int64_t length = batch.length();
+  std::vector<LengthProfile> shorter;
+  ProfileOptions o;
+  o.streamed = plan.config.offload.optimizer;
+  for (int64_t l : lengths_to_profile(length)) {
+    ChainParts parts(workload_, batch.cut(l));
+    shorter.push_back({l, profile_precision(parts, plan.config.precision, tracker_, o)});
+  }
+  return ShapePlanner(*planner_, plan, length, std::move(shorter));
+}
+
 int64_t default_budget(const Planner& planner, std::string* why) {
   const double margin = planner.request().margin;
   const Plan plain =

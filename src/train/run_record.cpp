@@ -107,7 +107,8 @@ void JsonLog::on_step(const StepEvent& e) {
   nlohmann::json line{{"type", "step"},          {"step", e.step},           {"loss", e.loss},
                       {"samples", e.samples},    {"seconds", e.seconds},     {"live_bytes", e.live_bytes},
                       {"peak_bytes", e.peak_bytes}, {"host_peak_bytes", e.host_peak_bytes},
-                      {"oom_recoveries", e.oom_recoveries}};
+                      {"oom_recoveries", e.oom_recoveries}, {"tokens_per_sample", e.tokens_per_sample},
+                      {"micro_batch", e.micro_batch},       {"recomputed_blocks", e.recomputed_blocks}};
   if (e.eval_loss) line["eval_loss"] = *e.eval_loss;
   write(line);
 }

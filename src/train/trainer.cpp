@@ -94,8 +94,25 @@ Batch Trainer::Impl::local_batch(int64_t index) const {
       .to(options.step.device);
 }
 
-StepOptions Trainer::Impl::step_options() const {
-  StepOptions so{plan.plan.config};
+Batch Trainer::Impl::local_plan_batch(int64_t index) const {
+  return workload.data->plan_batch(index, options.step.batch, workload.seed)
+      .slice(local.start, local.length)
+      .to(options.step.device);
+}
+
+StepConfig Trainer::Impl::config_for(const Batch& batch) {
+  if (!plan.shapes || plan.after_oom) return plan.plan.config;
+  const Plan& chosen = plan.shapes->choose(batch.size(), batch.length());
+  if (!chosen.feasible) return plan.plan.config;  // the recovery does what it can
+  StepConfig c = plan.plan.config;
+  c.micro_batch = chosen.config.micro_batch_size();
+  c.checkpoint = chosen.config.checkpoint;
+  c.offload.activation_blocks = chosen.config.offload.activation_blocks;
+  return c;
+}
+
+StepOptions Trainer::Impl::step_options(const StepConfig& config) const {
+  StepOptions so{config};
   so.scaler = recovery.scaler.get();
   so.recovery = recovery.split.get();
   if (OptimizerOffload* offload = strategy->optimizer_offload()) offload->attach(so);
@@ -214,11 +231,14 @@ void Trainer::Impl::resume() {
 
 StepResult Trainer::Impl::accumulate(int64_t step, const Batch& batch) {
   BudgetAllocator& alloc = memory->allocator;
-  const int64_t m = plan.plan.config.micro_batch_size();
-  recovery.split->begin_step(step, plan.plan.config.checkpoint, format_bytes(plan.budget));
+  const StepConfig config = config_for(batch);
+  plan.last_step = config;
+  plan.last_step_length = batch.length();
+  const int64_t m = std::min(config.micro_batch_size(), batch.size());
+  recovery.split->begin_step(step, config.checkpoint, format_bytes(plan.budget));
   const auto& inject = options.inject_oom;
   if (std::find(inject.begin(), inject.end(), step) != inject.end()) alloc.fail_allocation_after(8);  // a few allocations into the forward
-  StepResult r = accumulate_gradients(workload, batch, recovery.split->split(m), step_options());
+  StepResult r = accumulate_gradients(workload, batch, recovery.split->split(m), step_options(config));
   alloc.fail_allocation_after(0);
   strategy->reduce_gradients();
   r.loss = strategy->group().sum(r.loss, "summing the loss");  // the global batch's mean loss
@@ -258,6 +278,7 @@ void Trainer::Impl::update(bool last) {
 // A real out-of-memory error is likely to repeat: the following steps run what worked.
 void Trainer::Impl::replan_after_oom(int64_t smallest_ok) {
   StepConfig& config = plan.plan.config;
+  plan.after_oom = true;
   const int blocks = workload.chain->size();
   const bool recomputes_all = config.checkpoint.recomputed_blocks().size() >= static_cast<size_t>(blocks);
   const SplitRecovery::NextSteps next = recovery.split->next_steps(config.micro_batch_size(), smallest_ok, recomputes_all);
@@ -302,7 +323,9 @@ void Trainer::Impl::record_step(int64_t step, double loss, double seconds) {
   e.last_step = options.steps;
   e.loss = loss;
   e.samples = options.step.batch;
-  e.tokens_per_sample = workload.sample_tokens;
+  e.tokens_per_sample = plan.last_step_length > 0 ? plan.last_step_length : workload.sample_tokens;
+  e.micro_batch = plan.last_step.micro_batch_size();
+  e.recomputed_blocks = static_cast<int64_t>(plan.last_step.checkpoint.recomputed_blocks().size());
   e.seconds = seconds;
   e.live_bytes = memory->tracker->current(memory->counted());
   e.peak_bytes = memory->step_peak();

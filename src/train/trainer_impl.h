@@ -67,6 +67,12 @@ struct TrainPlan {
   std::optional<PlanJob> job;
   std::vector<std::string> notes;  // what the request left out (set_up_plan)
   Plan plan;
+  // Each batch planned from its shape before it runs (one process): until a real out-of-memory
+  // error, after which the steps run what worked (`plan`, lowered).
+  std::optional<ShapePlanner> shapes;
+  bool after_oom = false;
+  StepConfig last_step;          // what the last step ran (the plan's, or its batch's shape's)
+  int64_t last_step_length = 0;  // that step's batch length (0: none)
   int64_t budget = 0;
   double seconds = 0;  // planning took
 };
@@ -166,12 +172,16 @@ struct Trainer::Impl {
   // Throws (naming `part`, and what to call first) unless the Trainer is at `needed`.
   void require(Stage needed, const char* part) const;
   Batch local_batch(int64_t index) const;  // this rank's part of training batch `index`, on the device
-  StepOptions step_options() const;
+  Batch local_plan_batch(int64_t index) const;  // the same of the batch a plan is made on (Dataset::plan_batch)
+  StepOptions step_options() const { return step_options(plan.plan.config); }
+  StepOptions step_options(const StepConfig& config) const;
+  StepConfig config_for(const Batch& batch);  // the plan's, or the batch's shape's
   StartEvent start_event() const;
 
   // trainer_plan.cpp
   void make_plan_job();
   void choose_plan();
+  void make_shape_planner();
   void adopt_rank0_plan();
   void prepare_steps();
 

@@ -37,7 +37,7 @@ void Trainer::Impl::make_plan_job() {
   if (options.distributed.world_size == 1) o.reserved_fit = reserved_fit_for(options.step.device);
   const StateUse state{!options.save_dir.empty(), !options.resume_dir.empty()};
   auto whole = strategy->whole_model();  // measured as one process runs it (before the budget)
-  plan.job.emplace(workload, [this] { return local_batch(record.start_step); }, std::move(o), *memory->tracker,
+  plan.job.emplace(workload, [this] { return local_plan_batch(record.start_step); }, std::move(o), *memory->tracker,
                    [&](PlanRequest& request, const MeasuredCosts& costs) { strategy->add_to_plan_request(request, costs, state); });
 }
 
@@ -104,6 +104,13 @@ void Trainer::Impl::adopt_rank0_plan() {
   plan.plan.notes.push_back("using rank 0's plan (this rank's own choice differed)");
 }
 
+// Batches of other lengths are planned before they run, where one process trains (ranks of
+// several would each have to make the same choice; they run the plan, recovering as needed).
+void Trainer::Impl::make_shape_planner() {
+  if (options.distributed.world_size > 1 || !plan.plan.feasible || !workload.data->lengths_vary()) return;
+  plan.shapes.emplace(plan.job->shape_planner(plan.plan));
+}
+
 // What the steps need once the plan is known, and the budget from now on.
 void Trainer::Impl::prepare_steps() {
   const StepConfig& config = plan.plan.config;
@@ -137,6 +144,7 @@ const Plan& Trainer::plan() {
   if (t.record.start_step == 0) torch::manual_seed(t.workload.seed);
   t.plan.seconds = std::chrono::duration<double>(TrainClock::now() - planning_start).count();
   if (!t.record.resumed) t.adopt_rank0_plan();
+  t.make_shape_planner();
   t.prepare_steps();
   TrainSummary& s = t.record.summary;
   s.planning_seconds = t.plan.seconds;

@@ -133,9 +133,11 @@ std::string default_fashion_mnist_dir() {
   return dir != nullptr && *dir != '\0' ? dir : "/usr/share/datasets/fashion-mnist";
 }
 
-TextDataset::TextDataset(const std::string& text, int64_t seq, std::string source)
-    : source_(std::move(source)), seq_(seq) {
+TextDataset::TextDataset(const std::string& text, int64_t seq, std::string source, int64_t shortest)
+    : source_(std::move(source)), seq_(seq), shortest_(shortest) {
   check_option(seq >= 1, "gpt.seq", seq, "expected a positive integer");
+  check_option(shortest >= 0 && shortest <= seq, "gpt.shortest", shortest,
+               "expected 0 (every batch seq long) or 1 to seq (" + std::to_string(seq) + ")");
   std::array<bool, 256> seen{};
   for (unsigned char ch : text) seen[ch] = true;
   for (int ch = 0; ch < 256; ++ch) {
@@ -159,8 +161,11 @@ TextDataset::TextDataset(const std::string& text, int64_t seq, std::string sourc
 }
 
 std::string TextDataset::describe() const {
+  const std::string lengths = shortest_ > 0 && shortest_ < seq_
+                                  ? ", batches of " + std::to_string(shortest_) + " to " + std::to_string(seq_) + " characters"
+                                  : "";
   return source_ + ", " + std::to_string(train_.numel() + eval_.numel()) + " characters, vocabulary " +
-         std::to_string(vocab_.size());
+         std::to_string(vocab_.size()) + lengths;
 }
 
 Batch TextDataset::windows(const at::Tensor& tokens, const at::Tensor& starts) const {
@@ -170,10 +175,23 @@ Batch TextDataset::windows(const at::Tensor& tokens, const at::Tensor& starts) c
   return {w.narrow(1, 0, seq_).contiguous(), w.narrow(1, 1, seq_).contiguous()};
 }
 
-Batch TextDataset::train_batch(int64_t index, int64_t batch_size, uint64_t seed) const {
-  auto gen = batch_generator(seed, index);
+Batch TextDataset::random_windows(at::Generator& gen, int64_t batch_size) const {
   auto starts = at::randint(0, train_.numel() - seq_ - 1, {batch_size}, gen, at::TensorOptions().dtype(at::kLong));
   return windows(train_, starts);
+}
+
+Batch TextDataset::train_batch(int64_t index, int64_t batch_size, uint64_t seed) const {
+  auto gen = batch_generator(seed, index);
+  const Batch batch = random_windows(gen, batch_size);
+  if (shortest_ == 0 || shortest_ == seq_) return batch;
+  const int64_t length = at::randint(shortest_, seq_ + 1, {1}, gen, at::TensorOptions().dtype(at::kLong)).item<int64_t>();
+  const Batch cut = batch.cut(length);
+  return {cut.input.contiguous(), cut.target.contiguous()};
+}
+
+Batch TextDataset::plan_batch(int64_t index, int64_t batch_size, uint64_t seed) const {
+  auto gen = batch_generator(seed, index);
+  return random_windows(gen, batch_size);  // training batch `index` before its cut: seq long
 }
 
 int64_t TextDataset::eval_batch_count(int64_t batch_size) const {

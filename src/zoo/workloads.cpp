@@ -55,9 +55,9 @@ Workload make_workload(const ModelOptions& o) {
   if (o.model == "gpt") {
     std::shared_ptr<TextDataset> data;
     if (o.data_file.empty()) {
-      data = std::make_shared<TextDataset>(bible(), o.gpt.seq, "King James Bible");
+      data = std::make_shared<TextDataset>(bible(), o.gpt.seq, "King James Bible", o.shortest);
     } else {
-      data = std::make_shared<TextDataset>(read_text_file(o.data_file), o.gpt.seq, o.data_file);
+      data = std::make_shared<TextDataset>(read_text_file(o.data_file), o.gpt.seq, o.data_file, o.shortest);
     }
     GptConfig config = o.gpt;
     config.vocab = data->vocab_size();

@@ -50,8 +50,9 @@ class ShapePlanner {
   // only its samples vary); `shorter` holds the plan's precision at other lengths.
   ShapePlanner(const Planner& planner, const Plan& plan, int64_t length, std::vector<LengthProfile> shorter);
 
-  // The plan for a batch of `samples` x `length` (length ignored where L0 is 0): not feasible
-  // when nothing fits (the caller runs the plan's config and recovers).
+  // The plan for a batch of `samples` x `length` (length ignored where L0 is 0): the plan itself
+  // for the planned shape; not feasible when nothing fits (the caller runs the plan's config
+  // and recovers).
   const Plan& choose(int64_t samples, int64_t length);
   // The prediction for one configuration of that batch (the plan's precision and optimizer),
   // fitting or not: Planner::evaluate on the costs at that length.
@@ -69,6 +70,7 @@ class ShapePlanner {
   Plan plan_shape(int64_t samples, int64_t length) const { return planner_for(samples, length).plan(budget_); }
   int64_t highest_fitting(int64_t lo, int64_t cap, const std::function<bool(int64_t)>& fits) const;
 
+  Plan plan_;                // what the planned shape runs
   WorkloadProfile profile_;  // the planner's, with only the plan's precision
   PlanRequest request_;      // the planner's, with the plan's state and placement pinned
   int64_t budget_ = 0;

@@ -19,6 +19,7 @@
 #include <vector>
 
 #include "memfit/measure/memory_tracker.h"
+#include "memfit/plan/batch_shape.h"
 #include "memfit/plan/planner.h"
 #include "memfit/plan/profile_cache.h"
 #include "memfit/plan/reserved_fit.h"
@@ -87,6 +88,10 @@ class PlanJob {
   // Profiles `precision` if the profile lacks it (a mixed precision this process's probe
   // dropped but another rank's plan runs). Returns whether it profiled.
   bool add_precision_if_missing(Precision precision);
+
+  // The rule that plans each batch by its shape after `plan` (batch_shape.h): where the job's
+  // batch has a length, the plan's precision profiled again on it cut to shorter lengths.
+  ShapePlanner shape_planner(const Plan& plan);
 
   // `steps` steps of `config` on the job's batch, recorded for the reserved check
   // (reserved_fit.h); the model, its gradients and the random state put back after.

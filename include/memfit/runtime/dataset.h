@@ -21,6 +21,16 @@ struct Batch {
   }
   // Both tensors on `device` (no copy when they are there already).
   Batch to(c10::Device device) const { return {input.to(device), target.to(device)}; }
+  // Its length: dimension 1 of integer token ids ([B, T]); 0 for a batch without one (images).
+  int64_t length() const {
+    return input.dim() >= 2 && !at::isFloatingType(input.scalar_type()) ? input.size(1) : 0;
+  }
+  // Its first `length` positions (views): both tensors' dimension 1 where it is the batch's length.
+  Batch cut(int64_t length) const {
+    const int64_t t = this->length();
+    const auto cut_one = [&](const at::Tensor& x) { return x.dim() >= 2 && x.size(1) == t ? x.narrow(1, 0, length) : x; };
+    return {cut_one(input), cut_one(target)};
+  }
 };
 
 class Dataset {
@@ -29,6 +39,15 @@ class Dataset {
   virtual std::string describe() const = 0;
   // A training batch of `batch_size` random samples; deterministic in (seed, index).
   virtual Batch train_batch(int64_t index, int64_t batch_size, uint64_t seed) const = 0;
+  // The batch a plan is made on: the longest one the data gives (where batches differ in
+  // length, each is planned from its shape before it runs: plan/batch_shape.h). By default the
+  // training batch `index`.
+  virtual Batch plan_batch(int64_t index, int64_t batch_size, uint64_t seed) const {
+    return train_batch(index, batch_size, seed);
+  }
+  // Whether training batches differ in length: the Trainer then profiles the plan's precision at
+  // shorter lengths too, to plan each batch (it does not where every batch has the plan's shape).
+  virtual bool lengths_vary() const { return false; }
   // The held-out split, in fixed order: batch `index` of `eval_batch_count(batch_size)`.
   virtual Batch eval_batch(int64_t index, int64_t batch_size) const = 0;
   virtual int64_t eval_batch_count(int64_t batch_size) const = 0;

@@ -56,7 +56,9 @@ struct StepEvent {
   int64_t last_step = 0;           // training ends after it
   double loss = 0;                 // mean over the global batch
   int64_t samples = 0;             // of the step, over all ranks
-  int64_t tokens_per_sample = 1;   // what a sample holds (a sequence: its length)
+  int64_t tokens_per_sample = 1;   // what a sample holds (a sequence: this batch's length)
+  int64_t micro_batch = 0;         // this rank's samples per forward + backward, chosen for this batch
+  int64_t recomputed_blocks = 0;   // blocks recomputed in this step's backward (as chosen for it)
   double seconds = 0;
   int64_t live_bytes = 0;          // tracked bytes after the step
   int64_t peak_bytes = 0;          // the step's peak, bytes the budget counts outside the tracker included

@@ -17,12 +17,16 @@
 namespace memfit {
 
 // Characters of a text as tokens; windows of `seq` characters predict the next character.
-// The last 10% of the text is the held-out split.
+// The last 10% of the text is the held-out split. With 0 < shortest < seq, each training batch
+// is as long as a DataLoader padding to its longest sequence makes it: a length drawn from
+// shortest to seq per batch (deterministic in its seed and index); plans are made on seq.
 class TextDataset : public Dataset {
  public:
-  TextDataset(const std::string& text, int64_t seq, std::string source);
+  TextDataset(const std::string& text, int64_t seq, std::string source, int64_t shortest = 0);
   std::string describe() const override;
   Batch train_batch(int64_t index, int64_t batch_size, uint64_t seed) const override;
+  Batch plan_batch(int64_t index, int64_t batch_size, uint64_t seed) const override;
+  bool lengths_vary() const override { return shortest_ > 0 && shortest_ < seq_; }
   Batch eval_batch(int64_t index, int64_t batch_size) const override;
   int64_t eval_batch_count(int64_t batch_size) const override;
   int64_t vocab_size() const { return static_cast<int64_t>(vocab_.size()); }
@@ -31,10 +35,12 @@ class TextDataset : public Dataset {
 
  private:
   Batch windows(const at::Tensor& tokens, const at::Tensor& starts) const;
+  Batch random_windows(at::Generator& gen, int64_t batch_size) const;  // seq long
   std::string vocab_;    // sorted distinct characters; token id = position
   std::string source_;
   at::Tensor train_, eval_;  // int64 token ids
   int64_t seq_;
+  int64_t shortest_;  // 0: every batch seq long
 };
 
 // Fashion-MNIST, 60000 train / 10000 test 28x28 images, scaled to [0, 1] and normalized.

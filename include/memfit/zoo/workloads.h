@@ -16,6 +16,7 @@ struct ModelOptions {
   CnnConfig cnn;
   MlpConfig mlp;
   std::string data_file;      // gpt: any text file instead of the Bible
+  int64_t shortest = 0;       // gpt: each training batch shortest to gpt.seq long (0: all gpt.seq)
   uint64_t seed = 0;          // initial weights, and the workload's batch stream and dropout
 };
 
