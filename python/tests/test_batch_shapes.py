@@ -8,17 +8,13 @@ import torch
 
 import memfit
 from models import GPT, gpt_batch, gpt_loss
+from test_plan_apply import plain_step as plain_step_of
 
 L0, B = 64, 16
 
 
 def plain_step(model, opt, batch):
-    opt.zero_grad(set_to_none=True)
-    loss = gpt_loss(model, batch)
-    loss.backward()
-    opt.step()
-    opt.zero_grad(set_to_none=True)
-    return loss.item()
+    return plain_step_of(model, opt, gpt_loss, batch)
 
 
 def padded_batches(count, seed=1):
