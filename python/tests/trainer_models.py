@@ -59,9 +59,16 @@ def collate_padded(samples):
     return {"input_ids": ids, "attention_mask": mask, "labels": torch.tensor([s["label"] for s in samples])}
 
 
-def causal_lm(layers=2, d=64, heads=4, vocab=256, seq=64):
+def causal_lm(layers=2, d=64, heads=4, vocab=256, seq=64, dropout=0.1):
+    """GPT-2's dropout (0.1) by default: a Trainer given the plan's micro-batch by hand draws the
+    same masks. A step split after an out-of-memory error draws them per part instead."""
     torch.manual_seed(0)
-    return GPT2LMHeadModel(GPT2Config(n_layer=layers, n_embd=d, n_head=heads, vocab_size=vocab, n_positions=seq))
+    return GPT2LMHeadModel(GPT2Config(n_layer=layers, n_embd=d, n_head=heads, vocab_size=vocab, n_positions=seq,
+                                      resid_pdrop=dropout, embd_pdrop=dropout, attn_pdrop=dropout))
+
+
+def causal_lm_without_dropout():
+    return causal_lm(dropout=0.0)
 
 
 def sequence_classifier(layers=2, d=64, heads=4, vocab=256, seq=64, dropout=0.0):
