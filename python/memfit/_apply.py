@@ -192,7 +192,7 @@ class Step:
         shapes = self.plan._shapes
         chosen = None
         if shapes is not None:
-            length = _batch.length_of(batch) if shapes.planned_length else 0
+            length = self.plan._lengths.of(batch) if shapes.planned_length else 0
             chosen = shapes.choose(samples, length or 0)
             self.last_choice = chosen
             if not chosen["feasible"]:

@@ -45,15 +45,7 @@ def sample_count(batch):
 
 def narrow(batch, start, length):
     """Samples [start, start + length) of the batch, as views."""
-    if isinstance(batch, torch.Tensor):
-        return batch.narrow(0, start, length)
-    if isinstance(batch, dict):
-        return type(batch)((k, narrow(v, start, length)) for k, v in batch.items())
-    if isinstance(batch, tuple) and hasattr(batch, "_fields"):  # a namedtuple
-        return type(batch)(*(narrow(v, start, length) for v in batch))
-    if isinstance(batch, (list, tuple)):
-        return type(batch)(narrow(v, start, length) for v in batch)
-    return batch
+    return _map_tensors(batch, lambda t: t.narrow(0, start, length))
 
 
 def split(batch, micro_batch):
@@ -76,26 +68,50 @@ def device_of(batch):
     return ts[0].device if ts else torch.device("cpu")
 
 
-def length_of(batch):
-    """The batch's length: dimension 1 of its token tensors (integer tensors of two or more
-    dimensions: ids, masks, labels), which a DataLoader padding each batch to its longest
-    sequence changes from batch to batch; None where it has none (only its samples vary)."""
-    lengths = {t.shape[1] for t in tensors(batch) if t.dim() >= 2 and not t.is_floating_point() and not t.is_complex()}
-    if len(lengths) > 1:
-        raise ValueError(f"batch: its integer tensors have lengths {sorted(lengths)} along dimension 1; expected one "
-                         "(token ids, masks and labels of one padded length)")
-    return next(iter(lengths), None)
+def _is_token_tensor(t):
+    """Token ids, masks and labels: integer tensors of two or more dimensions, their length along
+    dimension 1 (a DataLoader padding each batch to its longest sequence changes it)."""
+    return t.dim() >= 2 and not t.is_floating_point() and not t.is_complex()
 
 
-def narrow_length(batch, length, planned):
-    """The batch cut to its first `length` positions: dimension 1 of every tensor of two or more
-    dimensions whose dimension 1 is the batch's length `planned` (views)."""
+class Lengths:
+    """The lengths of the planned batch, each token tensor's by where it is in the batch, and
+    another batch's length as the plan's rule takes it (plan/batch_shape.h: one length, costs as
+    functions of it). One length (a decoder's ids, mask and labels) is the batch's own. Several
+    (an encoder-decoder's source and target) are one scale: the batch is planned as if each had
+    grown as much as the one grown most from the planned batch (an upper bound where the costs
+    grow with each), as `longest` (the planned batch's longest) times that growth."""
+
+    def __init__(self, planned_batch):
+        self.planned = {path: t.shape[1] for path, t in _tensors(planned_batch) if _is_token_tensor(t)}
+        self.longest = max(self.planned.values(), default=None)
+
+    def of(self, batch):
+        """The batch's length on the planned batch's scale (None where the planned one has none)."""
+        if self.longest is None:
+            return None
+        scaled = [-(-t.shape[1] * self.longest // self.planned[path])  # ceil, in integers
+                  for path, t in _tensors(batch) if path in self.planned and t.dim() >= 2]
+        return max(scaled, default=self.longest)
+
+    def cut(self, batch, length):
+        """The planned batch with every length scaled to `length` / `longest` (views): dimension 1
+        of each tensor of two or more dimensions whose dimension 1 is one of the planned lengths."""
+        to = {n: max(1, round(n * length / self.longest)) for n in self.planned.values()}
+
+        def cut_one(t):
+            return t.narrow(1, 0, to[t.shape[1]]) if t.dim() >= 2 and t.shape[1] in to else t
+        return _map_tensors(batch, cut_one)
+
+
+def _map_tensors(batch, fn):
+    """The batch with `fn` applied to each tensor, its structure kept."""
     if isinstance(batch, torch.Tensor):
-        return batch.narrow(1, 0, length) if batch.dim() >= 2 and batch.shape[1] == planned else batch
+        return fn(batch)
     if isinstance(batch, dict):
-        return type(batch)((k, narrow_length(v, length, planned)) for k, v in batch.items())
+        return type(batch)((k, _map_tensors(v, fn)) for k, v in batch.items())
     if isinstance(batch, tuple) and hasattr(batch, "_fields"):
-        return type(batch)(*(narrow_length(v, length, planned) for v in batch))
+        return type(batch)(*(_map_tensors(v, fn) for v in batch))
     if isinstance(batch, (list, tuple)):
-        return type(batch)(narrow_length(v, length, planned) for v in batch)
+        return type(batch)(_map_tensors(v, fn) for v in batch)
     return batch

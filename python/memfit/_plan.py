@@ -54,7 +54,9 @@ class Plan:
 
     def __init__(self, result, blocks, loss_fn, model, batch_size, device, planner, cache_off=False, shapes=None):
         self._result = result
-        self._shapes = shapes  # the C++ ShapePlanner: each batch planned by its shape (plan/batch_shape.h)
+        # The C++ ShapePlanner (each batch planned by its shape, plan/batch_shape.h) and how a
+        # batch's lengths are read (_batch.Lengths); None for a plan given its segments.
+        self._shapes, self._lengths = shapes if shapes is not None else (None, None)
         self._cache_off = cache_off  # the model's own key/value cache is off while it trains (_cache_off.py)
         self._planner = planner  # the C++ Planner that made it (its request, and the measured costs)
         self._profile = planner.profile()  # the measured costs (C++ WorkloadProfile) the plan was made from
@@ -304,15 +306,17 @@ def plan(model, optimizer, loss_fn, batch, budget, blocks=None, precisions=("fp3
 
 
 def _shape_planner(planner, result, model, loss_fn, batch, found, device, obs):
-    """The C++ rule that plans each batch by its shape (plan/batch_shape.h): the plan's precision
-    profiled again on the batch cut to shorter lengths, where the batch has a length."""
-    length = _batch.length_of(batch)
+    """The C++ rule that plans each batch by its shape (plan/batch_shape.h), and the batch's
+    lengths (_batch.Lengths): the plan's precision profiled again on the batch cut to shorter
+    lengths, where the batch has a length."""
+    lengths = _batch.Lengths(batch)
+    length = lengths.longest
     shorter = []
     if length is not None:
         tracker = _C.Tracker(str(device))
         try:
             for cut in _C.lengths_to_profile(length):
-                parts = ModuleParts(model, loss_fn, _batch.narrow_length(batch, cut, length), found, device)
+                parts = ModuleParts(model, loss_fn, lengths.cut(batch, cut), found, device)
                 options = _profile_options(obs, streamed=result["optimizer_offloaded"])
                 profile = _C.profile_precision(parts, result["precision"], tracker, options)
                 shorter.append(_C.LengthProfile(cut, profile))
@@ -320,7 +324,7 @@ def _shape_planner(planner, result, model, loss_fn, batch, found, device, obs):
             note(obs, f"batches are planned by their samples only: the model did not run the batch cut to "
                       f"{cut} of its {length} positions ({type(e).__name__}: {str(e).splitlines()[0]})")
             length, shorter = None, []
-    return _C.ShapePlanner(planner, result["json"], length or 0, shorter)
+    return _C.ShapePlanner(planner, result["json"], length or 0, shorter), lengths
 
 
 def _probe_forward(model, loss_fn, batch):

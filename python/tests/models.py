@@ -195,6 +195,44 @@ def unet_batch(batch=8, size=64, seed=0):
     return torch.randn(batch, 3, size, size, generator=g), torch.randint(0, 3, (batch, size, size), generator=g)
 
 
+class Seq2Seq(nn.Module):
+    """An encoder-decoder of PyTorch's layers: every decoder layer reads the encoder's output, and
+    the source and target have lengths of their own."""
+
+    def __init__(self, vocab=256, d=64, layers=2, longest=256):
+        super().__init__()
+        self.embed, self.position = nn.Embedding(vocab, d), nn.Embedding(longest, d)
+        self.encoder = nn.ModuleList([nn.TransformerEncoderLayer(d, 4, 4 * d, dropout=0.0, batch_first=True)
+                                      for _ in range(layers)])
+        self.decoder = nn.ModuleList([nn.TransformerDecoderLayer(d, 4, 4 * d, dropout=0.0, batch_first=True)
+                                      for _ in range(layers)])
+        self.head = nn.Linear(d, vocab)
+
+    def embedded(self, ids):
+        return self.embed(ids) + self.position(torch.arange(ids.size(1), device=ids.device))
+
+    def forward(self, src, tgt):
+        memory = self.embedded(src)
+        for layer in self.encoder:
+            memory = layer(memory)
+        x = self.embedded(tgt)
+        causal = torch.triu(torch.full((tgt.size(1), tgt.size(1)), float("-inf"), device=tgt.device), diagonal=1)
+        for layer in self.decoder:
+            x = layer(x, memory, tgt_mask=causal)
+        return self.head(x)
+
+
+def seq2seq_batch(batch=16, source=48, target=32, vocab=256, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return {"src": torch.randint(0, vocab, (batch, source), generator=g),
+            "tgt": torch.randint(0, vocab, (batch, target + 1), generator=g)}
+
+
+def seq2seq_loss(model, batch):
+    logits = model(batch["src"], batch["tgt"][:, :-1])
+    return F.cross_entropy(logits.flatten(0, 1), batch["tgt"][:, 1:].flatten())
+
+
 def make(name, seed=0):
     """(model, batch, loss_fn) for 'gpt', 'gpt_hf_like', 'cnn', 'mlp', 'lstm' or 'unet', seeded."""
     torch.manual_seed(seed)
