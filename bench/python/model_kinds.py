@@ -1,11 +1,12 @@
 """memfit.plan + memfit.apply on models that are not a chain of repeated blocks, each of a kind
-issue "every batch, every model" names: an encoder-decoder transformer (every decoder block
-reads the encoder's output), a U-Net (skips from the down blocks to the up blocks), a DenseNet
-(torchvision's, dense connections), a recurrent language model (an embedding, a 2-layer LSTM, a
-head: no block repeated) and an MLP of distinct layers (no block repeated). At 60/45/30% of the
-plain step's peak (offload "auto" at 30%): the plan, the peak memfit.budget measured over three
-steps, and error = (measured - predicted) / predicted. Prints one markdown table; exits 1 if a
-step went over its budget or missed its prediction by more than 3% either way.
+issue "every batch, every model" names: encoder-decoder transformers (every decoder block reads
+the encoder's output: PyTorch's nn.Transformer, Hugging Face's BART and T5), a U-Net (skips from
+the down blocks to the up blocks), a DenseNet (torchvision's, dense connections), a recurrent
+language model (an embedding, a 2-layer LSTM, a head: no block repeated) and an MLP of distinct
+layers (no block repeated). At 60/45/30% of the plain step's peak (offload "auto" at 30%): the
+plan, the peak memfit.budget measured over three steps, and error = (measured - predicted) /
+predicted. Prints one markdown table; exits 1 if a step went over its budget or missed its
+prediction by more than 3% either way.
 
     OMP_WAIT_POLICY=passive .venv-py/bin/python bench/python/model_kinds.py [NAME-PART ...]
 """
@@ -46,6 +47,32 @@ def encoder_decoder():
     batch = {"src": src, "tgt": tgt}
     return Seq2Seq(), batch, lambda m, b: F.cross_entropy(m(b["src"], b["tgt"][:, :-1]).flatten(0, 1),
                                                          b["tgt"][:, 1:].flatten())
+
+
+def seq2seq_batch(vocab, samples=16, source=96, target=64):
+    """A source and target of token ids, some samples padded (the masks are real inputs)."""
+    ids = torch.randint(4, vocab, (samples, source))
+    mask = torch.ones_like(ids)
+    mask[::4, -24:] = 0
+    return {"input_ids": ids, "attention_mask": mask, "labels": torch.randint(4, vocab, (samples, target))}
+
+
+def hf_bart():
+    """Hugging Face's BART from a small config, its cache on (the config's default): each decoder
+    block reads the encoder's output and appends to the decoder's cache."""
+    from transformers import BartConfig, BartForConditionalGeneration
+    config = BartConfig(vocab_size=2048, d_model=128, encoder_layers=3, decoder_layers=3, encoder_attention_heads=4,
+                        decoder_attention_heads=4, encoder_ffn_dim=512, decoder_ffn_dim=512, max_position_embeddings=128)
+    return BartForConditionalGeneration(config), seq2seq_batch(config.vocab_size), lambda m, b: m(**b).loss
+
+
+def hf_t5():
+    """Hugging Face's T5 from a small config: the first block of each stack makes the relative
+    position bias that every later block of the stack reads."""
+    from transformers import T5Config, T5ForConditionalGeneration
+    config = T5Config(vocab_size=2048, d_model=128, d_kv=32, d_ff=512, num_layers=3, num_decoder_layers=3,
+                      num_heads=4, decoder_start_token_id=0)
+    return T5ForConditionalGeneration(config), seq2seq_batch(config.vocab_size), lambda m, b: m(**b).loss
 
 
 class Down(nn.Module):
@@ -123,6 +150,8 @@ def distinct_mlp():
 
 MODELS = {
     "encoder-decoder transformer (nn.Transformer 3+3 layers, 16 x 96 -> 64)": encoder_decoder,
+    "Hugging Face BART (3+3 layers, d 128, 16 x 96 -> 64, cache on)": hf_bart,
+    "Hugging Face T5 (3+3 layers, d 128, 16 x 96 -> 64)": hf_t5,
     "U-Net (4 levels, batch 8, 96x96)": unet,
     "torchvision DenseNet (3 dense blocks, batch 32, 64x64)": densenet,
     "recurrent LM (embedding, 2-layer LSTM, head; batch 32 x 128)": lstm,
