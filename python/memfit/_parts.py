@@ -38,13 +38,19 @@ def scalar_loss(loss):
     return loss.reshape(())
 
 
-def _saved_reads(observer, part):
-    """Saved-tensor hooks for a block's forward that tell the observer when backward reads what
-    it saved (the tensors themselves pass through unchanged)."""
+def _saved_tensors_watched(observer, part, saved, reads):
+    """Saved-tensor hooks for a block's forward: the storage of each tensor it saves goes into
+    `saved`, and where `reads`, the observer hears when backward reads one (the tensors
+    themselves pass through unchanged)."""
+    def pack(tensor):
+        saved.add(_storage.storage_key(tensor))
+        return tensor
+
     def read(packed):
-        observer.saved_tensor_read(part)
+        if reads:
+            observer.saved_tensor_read(part)
         return packed
-    return torch.autograd.graph.saved_tensors_hooks(lambda t: t, read)
+    return torch.autograd.graph.saved_tensors_hooks(pack, read)
 
 
 class _Joined(torch.autograd.Function):
@@ -138,6 +144,9 @@ class ModuleParts(_C.PartwiseModel):
         self._samples = _batch.sample_count(batch)
         self._parameters = [p for p in model.parameters() if p.requires_grad]
         self._previous_output = None  # a weak reference to the last block's main output, in a run as inside a segment
+        # Storages alive before any step (the batch, parameters, buffers): a block handed one of
+        # them holds nothing a step would not.
+        self._standing = {_storage.storage_key(t) for t in [*_batch.tensors(batch), *model.parameters(), *model.buffers()]}
 
     def parts(self):
         return len(self.blocks) + 2
@@ -185,17 +194,22 @@ class ModuleParts(_C.PartwiseModel):
             if intercept is not None:
                 intercept.remove()
 
-    def _as_in_segment(self, index, args, kwargs, run):
+    def _as_in_segment(self, index, args, kwargs, run, observer):
         """Block `index` run as inside a checkpointed segment (not its first block): without grad,
         its output joined to the graph, and what _checkpoint's recording keeps of its call held
-        (its arguments, and its input where that is not the previous block's output)."""
+        (its arguments, and its input where that is not the previous block's output). A tensor
+        handed to it besides its input that the forward made is told to the observer instead: a
+        segment's recording holds it whoever made it (PartObserver::handed)."""
         with torch.no_grad():
             out = run(args, kwargs)
         handed = _batch.tensors((args, kwargs))
         where = _calls.main_input(args, kwargs)
         x = _calls.get_input(args, kwargs, where) if where else None
         previous = self._previous_output() if self._previous_output is not None else None
-        kept = tuple(t for t in handed if not (t is x and x is previous))
+        made = [t for t in handed if t is not x and _storage.storage_key(t) not in self._standing]
+        for t in made:
+            observer.handed(index + 1, t)
+        kept = tuple(t for t in handed if not (t is x and x is previous) and all(t is not m for m in made))
         anchors = [t for t in handed if t.requires_grad] + [p for p in self.blocks[index].parameters() if p.requires_grad]
         out = _joined(out, kept, anchors)
         output = _calls.main_output(out)
@@ -210,12 +224,16 @@ class ModuleParts(_C.PartwiseModel):
             where = _calls.main_input(args, kwargs)
             observer.enter(index + 1, _calls.get_input(args, kwargs, where) if where else None)
             state = _StateWatch(self.blocks[index], args, kwargs)
+            saved = set()
             if blocks_without_grad:  # as inside a checkpointed segment (PartRun::blocks_without_grad)
-                out = self._as_in_segment(index, args, kwargs, run)
+                out = self._as_in_segment(index, args, kwargs, run, observer)
             else:
-                with _saved_reads(observer, index + 1) if watch else contextlib.nullcontext():
+                with _saved_tensors_watched(observer, index + 1, saved, watch):
                     out = run(args, kwargs)
             observer.block_returned(index + 1)
+            output = _calls.main_output(out)
+            if isinstance(output, torch.Tensor):
+                observer.block_output(index + 1, output, _storage.storage_key(output) in saved)
             changed = state.changed()
             if changed:
                 observer.state_changed(index + 1, changed)

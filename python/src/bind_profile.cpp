@@ -75,7 +75,9 @@ void bind_model(py::module_& m) {
       .def("watches_saved_reads", &PartObserver::watches_saved_reads)
       .def("saved_tensor_read", &PartObserver::saved_tensor_read)
       .def("state_changed", &PartObserver::state_changed)
-      .def("block_returned", &PartObserver::block_returned);
+      .def("block_returned", &PartObserver::block_returned)
+      .def("handed", &PartObserver::handed)
+      .def("block_output", &PartObserver::block_output);
   py::class_<PartwiseModel, PyPartwiseModel>(m, "PartwiseModel").def(py::init<>());
   py::class_<ProfileOptions>(m, "ProfileOptions")
       .def(py::init<>())

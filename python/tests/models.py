@@ -233,8 +233,48 @@ def seq2seq_loss(model, batch):
     return F.cross_entropy(logits.flatten(0, 1), batch["tgt"][:, 1:].flatten())
 
 
+class BiasedBlock(nn.Module):
+    """A T5-like block: the first of a stack makes an attention bias of [batch, heads, L, L] (a
+    learned relative-position bias plus the padding mask) and every block hands it on to the next,
+    which reads it: a tensor a block made, alive in later blocks' calls."""
+
+    def __init__(self, d=64, heads=4, makes_bias=False, longest=128):
+        super().__init__()
+        self.heads, self.longest = heads, longest
+        self.norm1, self.norm2 = nn.LayerNorm(d), nn.LayerNorm(d)
+        self.qkv, self.proj = nn.Linear(d, 3 * d), nn.Linear(d, d)
+        self.mlp = nn.Sequential(nn.Linear(d, 4 * d), nn.ReLU(), nn.Linear(4 * d, d))
+        self.relative = nn.Embedding(2 * longest - 1, heads) if makes_bias else None
+
+    def forward(self, x, bias=None, mask=None):
+        b, n, d = x.shape
+        if self.relative is not None:
+            pos = torch.arange(n, device=x.device)
+            distance = pos[None, :] - pos[:, None] + self.longest - 1  # [L, L]
+            bias = self.relative(distance).permute(2, 0, 1)[None] + mask[:, None, None, :]  # [B, H, L, L]
+        q, k, v = self.qkv(self.norm1(x)).view(b, n, 3, self.heads, d // self.heads).permute(2, 0, 3, 1, 4)
+        scores = q @ k.transpose(-2, -1) / math.sqrt(d // self.heads) + bias
+        x = x + self.proj((scores.softmax(-1) @ v).transpose(1, 2).reshape(b, n, d))
+        return x + self.mlp(self.norm2(x)), bias
+
+
+class BiasedStack(nn.Module):
+    def __init__(self, vocab=256, d=64, layers=4):
+        super().__init__()
+        self.embed = nn.Embedding(vocab, d)
+        self.blocks = nn.ModuleList([BiasedBlock(d, makes_bias=i == 0) for i in range(layers)])
+        self.head = nn.Linear(d, vocab)
+
+    def forward(self, input_ids, attention_mask, labels):
+        mask = (1.0 - attention_mask.float()) * -1e4  # additive: padded keys
+        x, bias = self.embed(input_ids), None
+        for block in self.blocks:
+            x, bias = block(x, bias=bias, mask=mask)
+        return {"loss": F.cross_entropy(self.head(x).flatten(0, 1), labels.flatten())}
+
+
 def make(name, seed=0):
-    """(model, batch, loss_fn) for 'gpt', 'gpt_hf_like', 'cnn', 'mlp', 'lstm' or 'unet', seeded."""
+    """(model, batch, loss_fn) for 'gpt', 'gpt_hf_like', 'cnn', 'mlp', 'lstm', 'unet' or 'biased', seeded."""
     torch.manual_seed(seed)
     if name == "gpt":
         return GPT(), gpt_batch(seed=seed), gpt_loss
@@ -248,4 +288,6 @@ def make(name, seed=0):
         return RecurrentLM(), gpt_batch(seed=seed), lstm_loss
     if name == "unet":
         return UNet(), unet_batch(seed=seed), cnn_loss
+    if name == "biased":
+        return BiasedStack(), gpt_batch(batch=8, seed=seed), gpt_loss
     raise ValueError(name)

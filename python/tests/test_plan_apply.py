@@ -75,7 +75,7 @@ def test_a_model_with_no_repeated_block_plans_the_modules_it_runs_in_their_order
 
 
 @pytest.mark.parametrize("fraction", [0.9, 0.8, 0.75])
-def test_recomputing_blocks_of_a_model_with_skips_is_predicted_within_1_percent(fraction):
+def test_recomputing_blocks_of_a_model_with_skips_is_predicted_closely(fraction):
     """The U-Net's code between its blocks (pooling, upsampling, concatenating) runs with grad
     inside a checkpointed segment and keeps the skips alive: measured, not assumed recomputed."""
     budget = int(plain_peak("unet") * fraction)
@@ -90,11 +90,37 @@ def test_recomputing_blocks_of_a_model_with_skips_is_predicted_within_1_percent(
     finally:
         memfit.remove(model)
     assert measured <= budget
-    # Known miss (issue 50): a segment ending at the last block (whose part runs the head and the
-    # loss too) is mispredicted; the plans taken here over-predict it (the safe side), up to 8%.
-    known = plan.checkpointed[-1] == plan.block_names[-1] and measured <= plan.predicted_peak_bytes
-    assert abs(plan.predicted_peak_bytes - measured) <= (0.08 if known else 0.01) * measured, \
-        f"{plan}\nmeasured {measured}, predicted {plan.predicted_peak_bytes}"
+    # Within 1% short; over by up to 4%: a segment from the first down block to the first up
+    # block is over-predicted by 3.5% (the safe side), every other segment within 0.1%.
+    predicted = plan.predicted_peak_bytes
+    assert measured <= 1.01 * predicted and predicted - measured <= 0.04 * measured, \
+        f"{plan}\nmeasured {measured}, predicted {predicted}"
+
+
+def test_a_tensor_a_block_makes_for_later_blocks_is_held_by_each_segment_that_reads_it():
+    """T5's first block makes the attention bias every later block is handed: a checkpointed
+    segment's recording holds it to the segment's backward, whichever of those blocks it holds,
+    once per segment; a segment of the first block alone holds none of it. Without it, a segment
+    of later blocks is predicted short by the bias (524 KiB here, about 4% of the peak)."""
+    model, batch, loss_fn = make("biased")
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    plan = memfit.plan(model, opt, loss_fn, batch, "1GiB", precisions=("fp32",), optimizer_state="fp32",
+                       micro_batch=8, progress=False)
+    names = plan.block_names
+    for segments in ([names[1]], [names[3]], [(names[1], names[3])], [(names[0], names[3])], [names[0]],
+                     [names[1], (names[2], names[3])]):
+        recomputing = plan.recomputing(segments)
+        step = memfit.apply(model, opt, recomputing)
+        try:
+            measured = peak_of(lambda: step(batch))
+        finally:
+            memfit.remove(model)
+        predicted = recomputing.predicted_peak_bytes
+        # Never short; over by at most the bias where it is counted twice: in the forward of the
+        # blocks after a segment holding it, where the model's code holds it all the same.
+        bias_bytes = batch["input_ids"].numel() * batch["input_ids"].shape[1] * model.blocks[0].heads * 4
+        assert measured <= predicted * 1.002 and predicted - measured <= bias_bytes + 0.002 * measured, \
+            f"{segments}: measured {measured}, predicted {predicted}"
 
 
 def test_a_model_writing_into_a_blocks_output_plans_and_steps_as_plain():

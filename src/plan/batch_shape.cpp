@@ -73,7 +73,8 @@ BlockCost fit_block(const Curve& c, const SizeRuns& runs, size_t block, const Bl
                      &BlockCost::backward_peak_streamed, &BlockCost::backward_held_input_bytes,
                      &BlockCost::backward_held_by_segment_bytes, &BlockCost::backward_held_all_bytes,
                      &BlockCost::recompute_start_extra_bytes, &BlockCost::input_copy_bytes, &BlockCost::segment_kept_bytes,
-                     &BlockCost::shared_gradient_bytes}) {
+                     &BlockCost::shared_gradient_bytes, &BlockCost::handed_bytes, &BlockCost::handed_new_bytes,
+                     &BlockCost::recomputed_output_copy_bytes}) {
     f.*field = fit_int(c, runs, block, field);
   }
   f.forward_left_bytes = fit_int(c, runs, block, &BlockCost::forward_left_bytes, /*signed_value=*/true);

@@ -44,6 +44,9 @@ void fit_block_bytes(const BlockCost& lo, const BlockMoments* lo_moments, int64_
   f.backward_held_all_bytes = held(&BlockCost::backward_held_all_bytes, &BlockMoments::backward_all);
   f.recompute_start_extra_bytes = calibrated(fit(&BlockCost::recompute_start_extra_bytes), calibration);
   f.segment_kept_bytes = calibrated(fit(&BlockCost::segment_kept_bytes), calibration);
+  f.handed_bytes = calibrated(fit(&BlockCost::handed_bytes), calibration);
+  f.handed_new_bytes = calibrated(fit(&BlockCost::handed_new_bytes), calibration);
+  f.recomputed_output_copy_bytes = calibrated(fit(&BlockCost::recomputed_output_copy_bytes), calibration);
   const bool block_alone = lo.recompute_peak >= 0 && hi.recompute_peak >= 0;
   f.recompute_peak = block_alone ? calibrated(fit(&BlockCost::recompute_peak), calibration) : -1;
   const bool streamed = lo.backward_peak_streamed >= 0 && hi.backward_peak_streamed >= 0;

@@ -182,6 +182,7 @@ PartCosts part_costs(const PartwiseModel& model, const MemoryTracker& tracker, M
     out.costs.push_back(c);
     out.moments.push_back(std::move(m));
     out.offsets.push_back(o);
+    out.block_output_saved_bytes.push_back(r.block_output_saved[i] ? r.block_output_bytes[i] : 0);
   }
   return out;
 }
@@ -196,7 +197,8 @@ void add_accumulating(PartCosts& parts, const MemoryTracker& tracker, MemoryDevi
     c.backward_peak_accumulating = std::max<int64_t>(0, peak);
     parts.moments[k].backward_accumulating = moments_of(tracker, device, accumulating.backward_events[k], offset, peak);
     const int64_t read = accumulating.first_read_live[k];
-    if (read >= 0) c.recompute_start_extra_bytes = std::max<int64_t>(0, read - offset);  // (the offset counts the gradient arriving for its output)
+    // The gradient arriving for its output is not in the offset: it is counted here.
+    if (read >= 0) c.recompute_start_extra_bytes = std::max<int64_t>(0, read - offset);
     later_gradients += c.param_bytes;
   }
 }
@@ -211,6 +213,22 @@ void add_streamed(PartCosts& parts, const PartsMeasured& plain, const PartsMeasu
   }
 }
 
+namespace {
+
+// Bytes of `handed`, and of those not in `before` (handed to the block before too).
+std::pair<int64_t, int64_t> handed_bytes(const std::vector<StorageAt>& handed, const std::vector<StorageAt>* before) {
+  int64_t all = 0, fresh = 0;
+  for (const StorageAt& s : handed) {
+    all += s.bytes;
+    const bool seen = before != nullptr && std::any_of(before->begin(), before->end(),
+                                                       [&](const StorageAt& b) { return b.data == s.data; });
+    if (!seen) fresh += s.bytes;
+  }
+  return {all, fresh};
+}
+
+}  // namespace
+
 void add_nograd(PartCosts& parts, const MemoryTracker& tracker, MemoryDevice device, const PartsMeasured& nograd) {
   for (size_t i = 0; i < parts.costs.size(); ++i) {
     const EventSpan& span = nograd.forward_events[i];
@@ -222,6 +240,15 @@ void add_nograd(PartCosts& parts, const MemoryTracker& tracker, MemoryDevice dev
     c.segment_output_kept = nograd.output_alive[i];
     const int64_t output = c.segment_output_kept ? nograd.output_bytes[i] : 0;
     c.segment_kept_bytes = std::max<int64_t>(0, nograd.kept_bytes[i] - output);
+    // Kept by the code after the block in a segment's forward, saved by its graph in a plain run.
+    if (nograd.block_output_alive[i] && i < parts.block_output_saved_bytes.size()) {
+      c.recomputed_output_copy_bytes = parts.block_output_saved_bytes[i];
+    }
+    if (i < nograd.handed.size()) {
+      const auto [all, fresh] = handed_bytes(nograd.handed[i], i > 0 ? &nograd.handed[i - 1] : nullptr);
+      c.handed_bytes = all;
+      c.handed_new_bytes = fresh;
+    }
   }
 }
 

@@ -29,6 +29,7 @@ struct PartCosts {
   std::vector<BlockCost> costs;
   std::vector<BlockMoments> moments;
   std::vector<PartOffsets> offsets;
+  std::vector<int64_t> block_output_saved_bytes;  // the plain run's: its block's output, where its graph saved it
 };
 PartCosts part_costs(const PartwiseModel& model, const MemoryTracker& tracker, MemoryDevice device,
                      const PartsMeasured& plain);

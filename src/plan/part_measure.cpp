@@ -75,7 +75,12 @@ class PartRecorder final : public PartObserver, public std::enable_shared_from_t
     m_.input_copy_bytes.assign(n, 0);
     m_.backward_storages.assign(n, {});
     m_.state_changes.assign(n, "");
+    m_.handed.assign(n, {});
+    m_.block_output_bytes.assign(n, 0);
+    m_.block_output_saved.assign(n, false);
+    m_.block_output_alive.assign(n, false);
     watch_.resize(n);
+    block_outputs_.resize(n);
     inputs_.assign(n, {});
   }
 
@@ -104,6 +109,32 @@ class PartRecorder final : public PartObserver, public std::enable_shared_from_t
     if (part == open_) m_.block_forward_peak[part] = tracker_.peak(device_);
   }
 
+  // Counted where a block's part made it: what the code before the first block makes (masks,
+  // rotary tables) is that part's, which is never recomputed, and is counted there as it was.
+  void handed(int part, const at::Tensor& tensor) override {
+    const StorageAt s = storage_at(tensor);
+    if (part < 0 || part >= count_ || s.data == nullptr || made_by_part(s.data) < 1) return;
+    auto& held = m_.handed[part];
+    if (std::none_of(held.begin(), held.end(), [&](const StorageAt& h) { return h.data == s.data; })) held.push_back(s);
+  }
+
+  void block_output(int part, const at::Tensor& output, bool saved) override {
+    if (part < 0 || part >= count_ || !output.defined() || !output.has_storage()) return;
+    m_.block_output_bytes[part] = tensor_bytes(output);
+    m_.block_output_saved[part] = saved;
+    block_outputs_[part] = output.storage().getWeakStorageImpl();
+  }
+
+  // The part whose forward allocated the storage at `data` in this run (kNoBlock: none did).
+  int made_by_part(const void* data) const {
+    const auto& events = tracker_.events();
+    for (size_t i = events.size(); i-- > 0;) {
+      const MemoryEvent& e = events[i];
+      if (e.device == device_ && e.ptr == data && e.delta > 0) return e.block;
+    }
+    return kNoBlock;
+  }
+
   void state_changed(int part, const std::string& what) override {
     if (part >= 0 && part < count_ && m_.state_changes[part].empty()) m_.state_changes[part] = what;
   }
@@ -125,7 +156,10 @@ class PartRecorder final : public PartObserver, public std::enable_shared_from_t
   // After forward: what each part keeps, and whether its output is still alive.
   void note_end_of_forward() {
     m_.kept_bytes = live_bytes_by_tag(tracker_, device_, count_);
-    for (int i = 0; i < count_; ++i) m_.output_alive[i] = alive(watch_[i]);
+    for (int i = 0; i < count_; ++i) {
+      m_.output_alive[i] = alive(watch_[i]);
+      m_.block_output_alive[i] = alive(block_outputs_[i]);
+    }
   }
 
   void begin_backward() { start_backward(count_ - 1, {}); }
@@ -220,6 +254,7 @@ class PartRecorder final : public PartObserver, public std::enable_shared_from_t
   std::unordered_set<const void*> batch_storages_;
   PartsMeasured m_;
   std::vector<std::optional<c10::weak_intrusive_ptr<c10::StorageImpl>>> watch_;  // each part's output
+  std::vector<std::optional<c10::weak_intrusive_ptr<c10::StorageImpl>>> block_outputs_;  // each block's own
   std::vector<StorageAt> inputs_;  // each part's input
   StorageAt loss_;
   std::unordered_set<const c10::TensorImpl*> seen_gradients_;

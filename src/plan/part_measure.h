@@ -59,6 +59,11 @@ struct PartsMeasured {
   std::vector<StorageAt> input_storages;            // each part's input (none for the first)
   std::vector<std::string> state_changes;           // what its forward changed that outlives it ("": none)
   std::vector<BackwardStorages> backward_storages;  // where the run had a backward
+  std::vector<std::vector<StorageAt>> handed;       // PartObserver::handed, each storage once per part
+  // Each block's own output (PartObserver::block_output): its bytes, whether its graph saved it,
+  // whether it was alive at the end of forward (0 / false where the part has no block).
+  std::vector<int64_t> block_output_bytes;
+  std::vector<bool> block_output_saved, block_output_alive;
 };
 
 enum class PartRunKind : uint8_t {

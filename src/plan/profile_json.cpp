@@ -14,7 +14,8 @@ namespace {
 namespace jf = json_fields;
 
 // `recomputable` is written only where false (a Python model's parts around its blocks),
-// `forward_left_bytes`, `recompute_start_extra_bytes` and `segment_kept_bytes` only where not 0,
+// `forward_left_bytes`, `recompute_start_extra_bytes`, `segment_kept_bytes`, `handed_bytes`,
+// `handed_new_bytes` and `recomputed_output_copy_bytes` only where not 0,
 // `segment_output_kept` only where true, `recompute_peak` only where measured and
 // `backward_peak_streamed` only where measured (by the Python front), so a CLI model's profile
 // reads as before.
@@ -37,6 +38,9 @@ nlohmann::json block_cost_json(const BlockCost& b) {
   if (b.segment_kept_bytes != 0) j["segment_kept_bytes"] = b.segment_kept_bytes;
   if (b.recompute_peak >= 0) j["recompute_peak"] = b.recompute_peak;
   if (b.segment_output_kept) j["segment_output_kept"] = true;
+  if (b.handed_bytes != 0) j["handed_bytes"] = b.handed_bytes;
+  if (b.handed_new_bytes != 0) j["handed_new_bytes"] = b.handed_new_bytes;
+  if (b.recomputed_output_copy_bytes != 0) j["recomputed_output_copy_bytes"] = b.recomputed_output_copy_bytes;
   return j;
 }
 
@@ -68,6 +72,10 @@ BlockCost block_cost_from_json(const nlohmann::json& j) {
   b.segment_kept_bytes = j.contains("segment_kept_bytes") ? jf::integer(j, "segment_kept_bytes") : 0;
   b.recompute_peak = j.contains("recompute_peak") ? jf::integer(j, "recompute_peak") : -1;
   b.segment_output_kept = j.contains("segment_output_kept") && jf::boolean(j, "segment_output_kept");
+  b.handed_bytes = j.contains("handed_bytes") ? jf::integer(j, "handed_bytes") : 0;
+  b.handed_new_bytes = j.contains("handed_new_bytes") ? jf::integer(j, "handed_new_bytes") : 0;
+  b.recomputed_output_copy_bytes =
+      j.contains("recomputed_output_copy_bytes") ? jf::integer(j, "recomputed_output_copy_bytes") : 0;
   return b;
 }
 

@@ -25,6 +25,7 @@ struct Model {
   std::vector<int64_t> left_before;  // left_before[k]: forward leftovers of blocks < k (never below 0)
   // In a segment, what blocks < k keep all the same (segment_kept_bytes), and their outputs kept there.
   std::vector<int64_t> segment_kept_before, segment_outputs_before;
+  std::vector<int64_t> handed_new_before;  // handed_new_before[k]: handed_new_bytes of blocks < k
 
   explicit Model(const ChainCosts& costs) : c(costs) {
     const int n = static_cast<int>(c.blocks.size());
@@ -33,11 +34,13 @@ struct Model {
     left_before.assign(static_cast<size_t>(n) + 1, 0);
     segment_kept_before.assign(static_cast<size_t>(n) + 1, 0);
     segment_outputs_before.assign(static_cast<size_t>(n) + 1, 0);
+    handed_new_before.assign(static_cast<size_t>(n) + 1, 0);
     for (int k = 0; k < n; ++k) {
       const BlockCost& blk = c.blocks[k];
       left_before[k + 1] = std::max<int64_t>(0, left_before[k] + blk.forward_left_bytes);
       segment_kept_before[k + 1] = segment_kept_before[k] + blk.segment_kept_bytes;
       segment_outputs_before[k + 1] = segment_outputs_before[k] + (blk.segment_output_kept ? blk.output_bytes : 0);
+      handed_new_before[k + 1] = handed_new_before[k] + blk.handed_new_bytes;
     }
     for (int k = n - 1; k >= 0; --k) {
       const bool carried = k + 1 < n && !c.gradients_streamed;
@@ -98,9 +101,22 @@ struct Model {
   int64_t held(const Unit& u) const {
     if (u.offloaded) return stays(u);  // the rest is on the host until its backward
     if (!u.checkpointed) return internal(u.first) + copy_kept(u, u.first);
-    return c.segment_overhead_bytes + casts_from[u.first] - casts_from[u.last + 1] + segment_kept(u, u.last + 1);
+    return c.segment_overhead_bytes + casts_from[u.first] - casts_from[u.last + 1] + segment_kept(u, u.last + 1) +
+           handed(u);
   }
   int64_t recompute_peak(int k) const { return b(k).recompute_peak >= 0 ? b(k).recompute_peak : b(k).forward_peak; }
+  // The second copy of block k's output a recompute of segment u makes (BlockCost::
+  // recomputed_output_copy_bytes): alive from the recompute to the block's backward. Not the
+  // segment's last block: the code after it has run its backward, freeing the forward's copy.
+  int64_t recomputed_copy(const Unit& u, int k) const { return k < u.last ? b(k).recomputed_output_copy_bytes : 0; }
+  // What the recordings of segment u's blocks hold of the tensors handed to them (each storage
+  // once in a segment, handed on from block to block), to its backward's end.
+  // Counted from the segment's end: in forward such a tensor is alive all the same (the model's
+  // code hands it on), counted in the leftovers of the part that made it; the units after the
+  // segment count it in their forward too (held), a small overestimate on the safe side.
+  int64_t handed(const Unit& u) const {
+    return b(u.first).handed_bytes + handed_new_before[u.last + 1] - handed_new_before[u.first + 1];
+  }
   // What the blocks of segment u before block `end` keep to the end of forward all the same: the
   // tensors the model's own code between them saves, and their outputs where that code keeps them
   // (the segment's last output is the next unit's input, counted there).
@@ -134,7 +150,8 @@ struct Model {
     return previous_offloaded ? host(Unit{u.first - 1, u.first - 1, false, true}) : 0;
   }
   int64_t segment_peak(const Unit& u, int64_t base_forward, int64_t prefetched) const {
-    const int64_t base = base_forward + prefetched;  // in backward (recompute included)
+    // In backward (recompute included); what the recordings hold stays to the segment's end.
+    const int64_t base = base_forward + prefetched + handed(u);
     const int64_t grads = c.gradients_present ? all_grads() : grads_after[u.last];
     const int64_t delta = b(u.last).output_bytes;  // the gradient arriving from the next unit
     // Forward without grad: block k's peak is above its start, its input alive (the segment's
@@ -146,15 +163,19 @@ struct Model {
     }
     // Backward: the segment runs again keeping everything (and the random state it found, put
     // back after it; the forward's leftovers are gone), then its blocks' backward.
-    const int64_t at_recompute = c.non_reentrant ? b(u.last).recompute_start_extra_bytes : 0;
+    // Live at the recompute besides the model's count: the gradient that arrived (delta); with a
+    // non-reentrant checkpoint, what was measured at the first read of a saved tensor, which
+    // counts that gradient and the others made before it (where none was measured, delta).
+    const int64_t at_recompute =
+        c.non_reentrant && b(u.last).recompute_start_extra_bytes > 0 ? b(u.last).recompute_start_extra_bytes : delta;
     // Each block runs alone (the model's code between blocks is not run again: what it saved in
     // forward is still there for the blocks not yet recomputed).
     int64_t kept = 0;
     for (int k = u.first; k <= u.last; ++k) {
       const int64_t from_forward = segment_kept(u, u.last) - segment_kept(u, k);
-      p = std::max(p, base + c.segment_overhead_bytes + grads + delta + at_recompute + kept + from_forward + copy(u, k) +
+      p = std::max(p, base + c.segment_overhead_bytes + grads + at_recompute + kept + from_forward + copy(u, k) +
                           recompute_peak(k));
-      kept += b(k).kept_bytes + copy_kept(u, k);
+      kept += b(k).kept_bytes + copy_kept(u, k) + recomputed_copy(u, k);
     }
     // Until the segment's backward returns it holds its recomputed output and the gradient that
     // arrived for it (delta): both alive under every block's backward (whose peak counts the
@@ -162,7 +183,7 @@ struct Model {
     // segment holds neither; each block's backward runs as a plain block's.
     int64_t below = kept;
     for (int k = u.last; k >= u.first; --k) {
-      below -= b(k).kept_bytes + copy_kept(u, k);
+      below -= b(k).kept_bytes + copy_kept(u, k) + recomputed_copy(u, k);
       const int64_t g = c.gradients_present ? all_grads() : grads_after[k];
       if (c.non_reentrant) {
         p = std::max(p, base + g + own_output(k) + below + internal(k) + copy_kept(u, k) + backward(k) +

@@ -42,6 +42,13 @@ class PartObserver {
   // Part `part`'s block has returned: the rest of the part is the model's own code after it,
   // which a recompute does not run (a model whose parts are its blocks never calls this).
   virtual void block_returned(int part) {}
+  // Part `part`'s block, run as inside a checkpointed segment, was handed `tensor` besides its
+  // input, made by the step's forward before it (a position bias, a skip): the segment's
+  // recording would hold it to the segment's backward.
+  virtual void handed(int part, const at::Tensor& tensor) {}
+  // Part `part`'s block returned `output` (its main output, which the model's code after it may
+  // keep apart from the part's output); `saved` where the block's own graph saved it for backward.
+  virtual void block_output(int part, const at::Tensor& output, bool saved) {}
 };
 
 // One forward's settings: the first `samples` samples of the model's batch, at a precision, and

@@ -54,10 +54,11 @@ struct BlockCost {
   int64_t backward_held_all_bytes = 0;         // ... both
   int64_t recompute_start_extra_bytes = 0;  // live beyond the model's count when a non-reentrant
                                             // checkpoint recomputes the segment it ends (at its
-                                            // backward's first read of a saved tensor): gradient
-                                            // parts of shared weights waiting to be summed, and
-                                            // gradients made before that read (a residual add
-                                            // casting the gradient of a bf16 branch)
+                                            // backward's first read of a saved tensor): the
+                                            // gradient arriving for its output, gradient parts of
+                                            // shared weights waiting to be summed, and gradients
+                                            // made before that read (a residual add casting the
+                                            // gradient of a bf16 branch)
   int64_t param_bytes = 0;       // its parameters (their gradients appear in its backward)
   int64_t cast_bytes = 0;        // autocast's low-precision copies of its weights (0 in fp32): a
                                  // step makes all of them before forward and caches them until
@@ -75,6 +76,17 @@ struct BlockCost {
   // whether that code keeps its output (a U-Net's skip read by a later block, pooled first).
   int64_t segment_kept_bytes = 0;
   bool segment_output_kept = false;
+  // Inside a checkpointed segment: what its recording holds of the tensors handed to the block
+  // besides its input that the step's forward made (not the batch, not a parameter): a T5 block's
+  // position bias made by the stack's first block, a U-Net up block's skip. Alive to the segment's
+  // backward, each storage once per segment: `handed_new_bytes` is the part not handed to the
+  // block before it too.
+  int64_t handed_bytes = 0;
+  int64_t handed_new_bytes = 0;
+  // Its block's own output twice once its segment is recomputed: the forward's, which the model's
+  // code after the block keeps (a U-Net's skip, pooled), and the recompute's, which the block's
+  // own graph saves (a last ReLU): the second copy's bytes, alive until its backward.
+  int64_t recomputed_output_copy_bytes = 0;
   int64_t shared_gradient_bytes = 0;  // parts of gradients of parameters shared with later blocks
                                       // (tied weights), waiting to be summed during its backward
                                       // when gradients are already there (in place otherwise)
