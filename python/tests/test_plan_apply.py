@@ -26,6 +26,15 @@ def peak_of(fn, steps=2):
     return b.peak_bytes
 
 
+def applied_peak(model, opt, plan, batch):
+    """The peak of two steps of `plan` applied to the model (taken off it after)."""
+    step = memfit.apply(model, opt, plan)
+    try:
+        return peak_of(lambda: step(batch))
+    finally:
+        memfit.remove(model)
+
+
 def plain_peak(name):
     model, batch, loss_fn = make(name)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
@@ -110,11 +119,7 @@ def test_a_tensor_a_block_makes_for_later_blocks_is_held_by_each_segment_that_re
     for segments in ([names[1]], [names[3]], [(names[1], names[3])], [(names[0], names[3])], [names[0]],
                      [names[1], (names[2], names[3])]):
         recomputing = plan.recomputing(segments)
-        step = memfit.apply(model, opt, recomputing)
-        try:
-            measured = peak_of(lambda: step(batch))
-        finally:
-            memfit.remove(model)
+        measured = applied_peak(model, opt, recomputing, batch)
         predicted = recomputing.predicted_peak_bytes
         # Never short; over by at most the bias where it is counted twice: in the forward of the
         # blocks after a segment holding it, where the model's code holds it all the same.
@@ -202,11 +207,7 @@ def test_recomputed_segments_are_predicted_within_1_percent(precision):
                        optimizer_state="fp32", progress=False)
     for segments in ([], [("h.0", "h.5")], [("h.1", "h.2"), ("h.4", "h.5")], ["h.5"], ["h.0", ("h.2", "h.4")]):
         p = plan.recomputing(segments)
-        step = memfit.apply(model, opt, p)
-        try:
-            measured = peak_of(lambda: step(batch))
-        finally:
-            memfit.remove(model)
+        measured = applied_peak(model, opt, p, batch)
         error = (p.predicted_peak_bytes - measured) / measured
         assert abs(error) <= 0.01, f"{segments}: predicted {p.predicted_peak_bytes}, measured {measured} ({error:+.2%})"
 
