@@ -62,8 +62,10 @@ def run_planned_and_compare(model, loss_fn, planned_batch, batch_at, count, tole
             plain_step(probe, probe_opt, loss_fn, planned_batch)
     budget = int(b.peak_bytes * 0.45)
     del probe, probe_opt
-    # fp32 state: the comparison is with plain AdamW step for step (8-bit moments would drift from it).
-    plan = memfit.plan(model, opt, loss_fn, planned_batch, budget, optimizer_state="fp32", progress=False)
+    # fp32 only, state too: the comparison is with plain fp32 AdamW step for step (a bf16 plan,
+    # chosen where the machine runs it faster, or 8-bit moments would drift from it).
+    plan = memfit.plan(model, opt, loss_fn, planned_batch, budget, precisions=("fp32",), optimizer_state="fp32",
+                       progress=False)
     assert "each planned before it runs" in str(plan)
     step = memfit.apply(model, opt, plan)
     choices = set()
