@@ -1,17 +1,20 @@
-"""memfit.fit against hand-written PyTorch at the same budget, on the GPT-2 written as Hugging
-Face's (bench/python/unnamed_models.py) at 45% of its plain step's peak, CPU:
+"""memfit.fit against hand-written PyTorch at the same budget, CPU, on a model no test names:
+the GPT-2 written as Hugging Face's (bench/python/unnamed_models.py) or Hugging Face's
+LlamaForCausalLM built from a config (its cache off, as Hugging Face's own checkpointing turns
+it off). At each budget (a share of the plain step's peak):
 
 1. the grid a person would try by hand — accumulation (1, 2, 4, 8) x the first k blocks
-   checkpointed with torch.utils.checkpoint (k = 0..6) x precision (fp32, bf16 autocast) — each
-   configuration's peak under memfit.budget, the fitting ones timed; memfit's step time against
-   the fastest that fits;
+   checkpointed with torch.utils.checkpoint (k = 0..layers) x precision (fp32, bf16 autocast) —
+   each configuration's peak under memfit.budget, the fitting ones timed; memfit's step time
+   against the fastest that fits;
 2. memfit's step against the same configuration hand-written on the same model and optimizer
    (the overhead of memfit's wrappers), in ABBA order, medians;
-3. halving on out-of-memory from the full batch (find_executable_batch_size-style: the step under
+3. memfit.plan's seconds against ten plain steps' (the plain step's median, no budget);
+4. halving on out-of-memory from the full batch (find_executable_batch_size-style: the step under
    the budget, the micro-batch halved on each out-of-memory error) against memfit.fit: seconds to
    the first successful step, then samples per second.
 
-    OMP_WAIT_POLICY=passive .venv/bin/python bench/python/fit_vs_grid.py
+    OMP_WAIT_POLICY=passive .venv-py/bin/python bench/python/fit_vs_grid.py [gpt2|llama] [FRACTION ...]
 """
 import contextlib
 import gc
@@ -30,10 +33,31 @@ from unnamed_models import gpt2, plain, steps_peak  # noqa: E402
 ROUNDS = int(os.environ.get("ROUNDS", "7"))  # timed steps per configuration (medians)
 
 
+def llama():
+    import transformers
+    config = transformers.LlamaConfig(vocab_size=512, hidden_size=192, intermediate_size=512, num_hidden_layers=6,
+                                      num_attention_heads=4, num_key_value_heads=4, max_position_embeddings=256)
+    ids = torch.randint(0, 512, (16, 128))
+    mask = torch.ones(16, 128, dtype=torch.long)
+    mask[::4, -16:] = 0
+    return (transformers.LlamaForCausalLM(config), {"input_ids": ids, "attention_mask": mask, "labels": ids},
+            lambda m, b: m(**b, use_cache=False).loss)
+
+
+# name -> (make, its repeated blocks, what the tables call it)
+MODELS = {"gpt2": (gpt2, lambda m: m.h, "GPT-2 written as Hugging Face's, 6 layers, batch 16 x 128"),
+          "llama": (llama, lambda m: m.model.layers, "Hugging Face LlamaForCausalLM, 6 layers, d 192, batch 16 x 128")}
+MODEL = sys.argv[1] if len(sys.argv) > 1 else "gpt2"
+if MODEL not in MODELS:
+    sys.exit(f"fit_vs_grid: model {MODEL!r}: expected one of {', '.join(MODELS)}")
+MAKE, BLOCKS, LABEL = MODELS[MODEL]
+LAYERS = 6  # both models' blocks: the grid checkpoints the first 0..LAYERS
+
+
 def fresh():
     torch.manual_seed(0)
     gc.collect()
-    model, batch, loss_fn = gpt2()
+    model, batch, loss_fn = MAKE()
     return model, torch.optim.AdamW(model.parameters(), lr=1e-3), batch, loss_fn
 
 
@@ -55,7 +79,7 @@ def hand_step(model, opt, loss_fn, accumulation, k, precision):
         n = batch["input_ids"].size(0)
         micro = n // accumulation
         opt.zero_grad(set_to_none=True)
-        with checkpointed([model.h[i] for i in (range(k) if isinstance(k, int) else k)]):
+        with checkpointed([BLOCKS(model)[i] for i in (range(k) if isinstance(k, int) else k)]):
             for i in range(0, n, micro):
                 part = {key: v[i:i + micro] for key, v in batch.items()}
                 with torch.autocast("cpu", dtype=torch.bfloat16, enabled=precision == "bf16"):
@@ -109,7 +133,7 @@ def grid(budget):
     fits = []
     for precision in ("fp32", "bf16"):
         for accumulation in (1, 2, 4, 8):
-            for k in range(7):
+            for k in range(LAYERS + 1):
                 model, opt, batch, loss_fn = fresh()
                 step = hand_step(model, opt, loss_fn, accumulation, k, precision)
                 step(batch)  # the optimizer's state exists
@@ -143,18 +167,17 @@ def halving(budget):
         return first, median_seconds(step, batch), accumulation
 
 
-def main():
+def at_budget(fraction, plain_s, peak):
+    """The tables' rows at one budget: memfit against the grid, by hand, and halving."""
+    budget = int(peak * fraction)
     model, opt, batch, loss_fn = fresh()
-    budget = int(steps_peak(plain(model, opt, loss_fn, batch), batch, 1 << 40) * 0.45)
     samples = batch["input_ids"].size(0)
-    print(f"torch {torch.__version__}; GPT-2 as Hugging Face's, batch {samples} x 128; budget {budget / 2**20:.1f} MiB "
-          f"(45% of the plain step's peak)")
-
-    model, opt, batch, loss_fn = fresh()
     t0 = time.perf_counter()
-    step = memfit.fit(model, opt, loss_fn, batch, budget, progress=False)
+    plan = memfit.plan(model, opt, loss_fn, batch, budget, progress=False)
+    planning = time.perf_counter() - t0
+    step = memfit.apply(model, opt, plan, budget=budget)
+    step(batch)  # the first step, as memfit.fit verifies it
     fit_first = time.perf_counter() - t0
-    plan = step.plan
     ours_s, hand_s = versus_by_hand(model, step, loss_fn, batch)
     memfit.remove(model)
     del model, opt, step
@@ -162,19 +185,34 @@ def main():
     fits = sorted(grid(budget))
     best_s, best = fits[0]
     half_first, half_s, half_acc = halving(budget)
-    print(f"\nmemfit's plan: {plan.micro_batch} x {plan.accumulation}, {plan.precision}, "
-          f"{len(plan.checkpointed)}/{len(plan.block_names)} blocks recomputed, {plan.optimizer_state} state\n")
+    print(f"\n### {fraction:.0%} of the plain peak: budget {budget / 2**20:.1f} MiB\n")
     print("| what | configuration | step s (median) | vs memfit |\n| --- | --- | ---: | ---: |")
-    print(f"| memfit.fit's step | {plan.accumulation} micro-batches, {len(plan.checkpointed)} blocks recomputed, "
-          f"{plan.precision}, {plan.optimizer_state} state | {ours_s:.3f} | 1.00 |")
+    print(f"| memfit's step | {plan.micro_batch} x {plan.accumulation}, {len(plan.checkpointed)}/{len(plan.block_names)} "
+          f"blocks recomputed, {plan.precision}, {plan.optimizer_state} state (predicted {plan.predicted_step_seconds:.3f} s) "
+          f"| {ours_s:.3f} | 1.00 |")
     acc, k, prec = best
-    print(f"| fastest hand-written grid configuration that fits ({len(fits)} of 56 fit) | {acc} micro-batches, first {k} "
-          f"blocks checkpointed, {prec} | {best_s:.3f} | {best_s / ours_s:.2f} |")
+    print(f"| fastest hand-written grid configuration that fits ({len(fits)} of {8 * (LAYERS + 1)} fit) | "
+          f"{samples // acc} x {acc}, first {k} blocks checkpointed, {prec} | {best_s:.3f} | {best_s / ours_s:.2f} |")
     print(f"| memfit's configuration by hand (same model, ABBA rounds) | the same | {hand_s:.3f} | {hand_s / ours_s:.2f} |")
-    print(f"\n| from the full batch | seconds to the first step that fits | samples/s after |\n| --- | ---: | ---: |")
-    print(f"| memfit.fit (plan + verified step) | {fit_first:.1f} | {samples / ours_s:.1f} |")
+    print(f"\n| from the full batch | seconds | in plain steps | samples/s after |\n| --- | ---: | ---: | ---: |")
+    print(f"| memfit.plan | {planning:.1f} | {planning / plain_s:.1f} | |")
+    print(f"| memfit.plan + apply + the first step | {fit_first:.1f} | {fit_first / plain_s:.1f} | {samples / ours_s:.1f} |")
     print(f"| halving on out-of-memory (ended at {half_acc} micro-batches, fp32) | {half_first:.1f} | "
-          f"{samples / half_s:.1f} |")
+          f"{half_first / plain_s:.1f} | {samples / half_s:.1f} |", flush=True)
+
+
+def main():
+    fractions = [float(f) for f in sys.argv[2:]] or [0.45]
+    model, opt, batch, loss_fn = fresh()
+    step = plain(model, opt, loss_fn, batch)
+    peak = steps_peak(step, batch, 1 << 40)
+    plain_s = median_seconds(step, batch)
+    del model, opt, step
+    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads; {LABEL}; plain step {plain_s:.3f} s "
+          f"(median), peak {peak / 2**20:.1f} MiB")
+    print(f"`OMP_WAIT_POLICY=passive {sys.executable} {' '.join(sys.argv)}`")
+    for fraction in fractions:
+        at_budget(fraction, plain_s, peak)
 
 
 if __name__ == "__main__":

@@ -25,6 +25,11 @@ namespace {
 // (recomputing everything costs well under 3x).
 constexpr double kSlowPrecisionRatio = 3.0;
 
+// Timing rounds of that comparison stop once one lands this far from the threshold, either way:
+// noise between rounds is a few percent, so more rounds could not carry the ratio across it. A
+// precision 20x slower then costs two of its steps instead of four.
+constexpr double kClearMargin = 2.0;
+
 // Bytes of the storages of `tensors`, each storage once.
 int64_t unique_storage_bytes(const std::vector<at::Tensor>& tensors) {
   std::unordered_set<const void*> seen;
@@ -68,6 +73,7 @@ class Profiler {
     const PartsMeasured nograd = measure_parts_nograd(model_, tracker_, device_, run);
     add_nograd(parts, tracker_, device_, nograd);
     if (options_.streamed) add_streamed(parts, plain, measure_parts(model_, tracker_, device_, run, PartRunKind::kStreamed));
+    smallest_trained_ = std::min(smallest_trained_, m);
     ChainProfile profile;
     profile.micro_batch = m;
     profile.blocks = std::move(parts.costs);
@@ -151,11 +157,11 @@ class Profiler {
   void skip_steps(int n) { done_ += n; }
 
  private:
-  // How many times slower `precision` runs a two-sample step than the baseline (best of three,
-  // alternating, after a first use of each). Two: BatchNorm cannot train on one sample where a
-  // layer's output is 1x1.
+  // How many times slower `precision` runs a step of the fewest samples the baseline's profile
+  // trained on (one, or two where BatchNorm meets a 1x1 map) than the baseline: best of up to
+  // three rounds, alternating, after a first use of each; kClearMargin ends them early.
   double slowdown(Precision precision, Precision baseline) {
-    const PartRun base_run{std::min<int64_t>(2, model_.samples()), baseline, false};
+    const PartRun base_run{std::min(smallest_trained_, model_.samples()), baseline, false};
     PartRun run = base_run;
     run.precision = precision;
     time_parts(model_, base_run);
@@ -164,6 +170,8 @@ class Profiler {
     for (int i = 0; i < 3; ++i) {
       base = std::min(base, time_parts(model_, base_run));
       slow = std::min(slow, time_parts(model_, run));
+      const double ratio = slow / base;
+      if (ratio > kSlowPrecisionRatio * kClearMargin || ratio < kSlowPrecisionRatio / kClearMargin) break;
     }
     release_gradients(model_);
     return base > 0 ? slow / base : 1.0;
@@ -187,6 +195,7 @@ class Profiler {
   MemoryDevice device_;
   const ProfileOptions& options_;
   int done_ = 0, total_ = 1;
+  int64_t smallest_trained_ = 2;  // the fewest samples a chain profile ran on (two before any did)
   std::vector<std::string> notes_;
   std::unordered_set<size_t> noted_;
 };
