@@ -5,11 +5,11 @@ it off). At each budget (a share of the plain step's peak):
 
 1. the grid a person would try by hand — accumulation (1, 2, 4, 8) x the first k blocks
    checkpointed with torch.utils.checkpoint (k = 0..layers) x precision (fp32, bf16 autocast) —
-   each configuration's peak under memfit.budget, the fitting ones timed; memfit's step time
-   against the fastest that fits;
-2. memfit's step against the same configuration hand-written on the same model and optimizer
-   (the overhead of memfit's wrappers), in ABBA order, medians;
-3. memfit.plan's seconds against ten plain steps' (the plain step's median, no budget);
+   each configuration's peak under memfit.budget, the fitting ones timed one after another;
+2. memfit's step, its configuration written by hand (the overhead of memfit's wrappers) and the
+   grid's three fastest, each on its own copy of the model, timed together in rounds (the
+   order rotated; medians): a machine whose speed drifts over minutes weighs on each alike;
+3. memfit.plan's seconds against plain steps' (five timed before planning, five after);
 4. halving on out-of-memory from the full batch (find_executable_batch_size-style: the step under
    the budget, the micro-batch halved on each out-of-memory error) against memfit.fit: seconds to
    the first successful step, then samples per second.
@@ -101,37 +101,29 @@ def median_seconds(step, batch, rounds=ROUNDS):
     return statistics.median(seconds(step, batch) for _ in range(rounds))
 
 
-def versus_by_hand(model, step, loss_fn, batch):
-    """Median seconds of memfit's step and of its configuration written by hand, on the same
-    model and optimizer (memfit's wrappers off for the hand-written one), in ABBA order so that
-    neither side always follows the other."""
-    plan = step.plan
-    indices = [plan.block_names.index(n) for n in plan.checkpointed]
-    hand = hand_step(model, step.optimizer, loss_fn, plan.accumulation, indices, plan.precision)
-
-    current = [step]
-
-    def by_hand():
-        memfit.remove(model)
-        try:
-            return seconds(hand, batch)
-        finally:
-            current[0] = memfit.apply(model, step.optimizer, plan, budget=step.budget)
-
-    ours, theirs = [], []
-    by_hand()
-    for _ in range(ROUNDS):
-        ours.append(seconds(current[0], batch))
-        theirs.append(by_hand())
-        theirs.append(by_hand())
-        ours.append(seconds(current[0], batch))
-    return statistics.median(ours), statistics.median(theirs)
+def in_rounds(steps, batch):
+    """Median seconds of each step (name -> step), all run in rounds with the order rotated each
+    round, so that a machine's speed drifting over minutes weighs on every one alike."""
+    names = list(steps)
+    for name in names:
+        steps[name](batch)  # first use
+    runs = {name: [] for name in names}
+    for r in range(ROUNDS):
+        for name in names[r % len(names):] + names[:r % len(names)]:
+            runs[name].append(seconds(steps[name], batch))
+    return {name: statistics.median(v) for name, v in runs.items()}
 
 
 def grid(budget):
-    """(seconds, configuration) of every grid configuration that fits the budget."""
+    """(seconds, configuration) of every grid configuration that fits the budget, and what was
+    left untimed: bf16 is timed only where one step of it (after its first) runs within 2x the
+    fastest fp32 configuration, as a person would drop a precision many times slower."""
     fits = []
     for precision in ("fp32", "bf16"):
+        if precision == "bf16":
+            probe = one_step_seconds(8, precision)
+            if fits and probe > 2 * min(fits)[0]:
+                return fits, f"bf16 not timed: a step took {probe:.2f} s, {probe / min(fits)[0]:.1f}x the fastest fp32"
         for accumulation in (1, 2, 4, 8):
             for k in range(LAYERS + 1):
                 model, opt, batch, loss_fn = fresh()
@@ -144,32 +136,44 @@ def grid(budget):
                         raise
                     continue
                 fits.append((median_seconds(step, batch), (accumulation, k, precision)))
-    return fits
+    return fits, ""
+
+
+def one_step_seconds(accumulation, precision):
+    model, opt, batch, loss_fn = fresh()
+    step = hand_step(model, opt, loss_fn, accumulation, 0, precision)
+    step(batch)  # first use
+    return seconds(step, batch)
 
 
 def halving(budget):
-    """Seconds to the first step that fits, halving the micro-batch on each out-of-memory error."""
+    """Seconds to the first step that fits, halving the micro-batch on each out-of-memory error
+    (also one in a later step: the optimizer's state is made by the first), then the median step."""
     model, opt, batch, loss_fn = fresh()
     t0 = time.perf_counter()
-    accumulation = 1
-    while True:
-        step = hand_step(model, opt, loss_fn, accumulation, 0, "fp32")
-        try:
-            with memfit.budget(budget):
-                step(batch)
-            break
-        except RuntimeError as e:
-            if "out of memory" not in str(e):
-                raise
-            accumulation *= 2
-    first = time.perf_counter() - t0
+    accumulation, first = 1, None
     with memfit.budget(budget):
-        return first, median_seconds(step, batch), accumulation
+        while True:
+            step = hand_step(model, opt, loss_fn, accumulation, 0, "fp32")
+            try:
+                step(batch)
+                first = first or time.perf_counter() - t0
+                return first, median_seconds(step, batch), accumulation
+            except RuntimeError as e:
+                if "out of memory" not in str(e):
+                    raise
+                accumulation *= 2
 
 
-def at_budget(fraction, plain_s, peak):
-    """The tables' rows at one budget: memfit against the grid, by hand, and halving."""
+def at_budget(fraction, peak):
+    """The tables' rows at one budget: memfit's step against the grid's three fastest and its own
+    configuration by hand, timed together in rounds; planning against plain steps timed around
+    it; halving."""
     budget = int(peak * fraction)
+    plain_model, plain_opt, batch, loss_fn = fresh()
+    plain_step = plain(plain_model, plain_opt, loss_fn, batch)
+    plain_step(batch)
+    plain_s = sum(seconds(plain_step, batch) for _ in range(5))
     model, opt, batch, loss_fn = fresh()
     samples = batch["input_ids"].size(0)
     t0 = time.perf_counter()
@@ -178,23 +182,38 @@ def at_budget(fraction, plain_s, peak):
     step = memfit.apply(model, opt, plan, budget=budget)
     step(batch)  # the first step, as memfit.fit verifies it
     fit_first = time.perf_counter() - t0
-    ours_s, hand_s = versus_by_hand(model, step, loss_fn, batch)
-    memfit.remove(model)
-    del model, opt, step
+    plain_s = (plain_s + sum(seconds(plain_step, batch) for _ in range(5))) / 10  # before and after planning
+    del plain_model, plain_opt, plain_step
 
-    fits = sorted(grid(budget))
-    best_s, best = fits[0]
+    fits, untimed = grid(budget)
+    top = [config for _, config in sorted(fits)[:3]]
+    indices = [plan.block_names.index(n) for n in plan.checkpointed]
+    configs = {"memfit": None, "memfit's configuration by hand": (plan.accumulation, indices, plan.precision), **{c: c for c in top}}
+    steps = {}
+    for name, config in configs.items():
+        if config is None:
+            steps[name] = step
+        else:
+            m, o, _, _ = fresh()
+            steps[name] = hand_step(m, o, loss_fn, *config)
+    medians = in_rounds(steps, batch)
+    ours_s = medians["memfit"]
     half_first, half_s, half_acc = halving(budget)
     print(f"\n### {fraction:.0%} of the plain peak: budget {budget / 2**20:.1f} MiB\n")
     print("| what | configuration | step s (median) | vs memfit |\n| --- | --- | ---: | ---: |")
     print(f"| memfit's step | {plan.micro_batch} x {plan.accumulation}, {len(plan.checkpointed)}/{len(plan.block_names)} "
           f"blocks recomputed, {plan.precision}, {plan.optimizer_state} state (predicted {plan.predicted_step_seconds:.3f} s) "
           f"| {ours_s:.3f} | 1.00 |")
-    acc, k, prec = best
-    print(f"| fastest hand-written grid configuration that fits ({len(fits)} of {8 * (LAYERS + 1)} fit) | "
-          f"{samples // acc} x {acc}, first {k} blocks checkpointed, {prec} | {best_s:.3f} | {best_s / ours_s:.2f} |")
-    print(f"| memfit's configuration by hand (same model, ABBA rounds) | the same | {hand_s:.3f} | {hand_s / ours_s:.2f} |")
-    print(f"\n| from the full batch | seconds | in plain steps | samples/s after |\n| --- | ---: | ---: | ---: |")
+    hand_s = medians["memfit's configuration by hand"]
+    print(f"| memfit's configuration by hand | the same, torch's AdamW | {hand_s:.3f} | {hand_s / ours_s:.2f} |")
+    tried = 4 * (LAYERS + 1) * (1 if untimed else 2)
+    for rank, (acc, k, prec) in enumerate(top, 1):
+        t = medians[(acc, k, prec)]
+        print(f"| hand-written grid, fastest #{rank} alone ({len(fits)} of {tried} fit) | {samples // acc} x {acc}, first {k} "
+              f"blocks checkpointed, {prec} | {t:.3f} | {t / ours_s:.2f} |")
+    if untimed:
+        print(f"\n{untimed}")
+    print("\n| from the full batch | seconds | in plain steps | samples/s after |\n| --- | ---: | ---: | ---: |")
     print(f"| memfit.plan | {planning:.1f} | {planning / plain_s:.1f} | |")
     print(f"| memfit.plan + apply + the first step | {fit_first:.1f} | {fit_first / plain_s:.1f} | {samples / ours_s:.1f} |")
     print(f"| halving on out-of-memory (ended at {half_acc} micro-batches, fp32) | {half_first:.1f} | "
@@ -204,15 +223,13 @@ def at_budget(fraction, plain_s, peak):
 def main():
     fractions = [float(f) for f in sys.argv[2:]] or [0.45]
     model, opt, batch, loss_fn = fresh()
-    step = plain(model, opt, loss_fn, batch)
-    peak = steps_peak(step, batch, 1 << 40)
-    plain_s = median_seconds(step, batch)
-    del model, opt, step
-    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads; {LABEL}; plain step {plain_s:.3f} s "
-          f"(median), peak {peak / 2**20:.1f} MiB")
+    peak = steps_peak(plain(model, opt, loss_fn, batch), batch, 1 << 40)
+    del model, opt
+    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads; {LABEL}; plain peak {peak / 2**20:.1f} MiB; "
+          f"{ROUNDS} rounds")
     print(f"`OMP_WAIT_POLICY=passive {sys.executable} {' '.join(sys.argv)}`")
     for fraction in fractions:
-        at_budget(fraction, plain_s, peak)
+        at_budget(fraction, peak)
 
 
 if __name__ == "__main__":

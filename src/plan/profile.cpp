@@ -130,7 +130,8 @@ class Profiler {
     char text[32];
     std::snprintf(text, sizeof text, "%.1fx", ratio);
     return std::string(precision_name(precision)) + " not considered: it ran " + text + " slower than " +
-           precision_name(baseline) + " here (a step of two samples; over " +
+           precision_name(baseline) + " here (a step of " + std::to_string(probe_samples()) + " sample" +
+           (probe_samples() == 1 ? "" : "s") + "; over " +
            std::to_string(static_cast<int>(kSlowPrecisionRatio)) + "x: too slow to be the fastest); `precision` " +
            precision_name(precision) + " plans with it alone";
   }
@@ -161,7 +162,7 @@ class Profiler {
   // trained on (one, or two where BatchNorm meets a 1x1 map) than the baseline: best of up to
   // three rounds, alternating, after a first use of each; kClearMargin ends them early.
   double slowdown(Precision precision, Precision baseline) {
-    const PartRun base_run{std::min(smallest_trained_, model_.samples()), baseline, false};
+    const PartRun base_run{probe_samples(), baseline, false};
     PartRun run = base_run;
     run.precision = precision;
     time_parts(model_, base_run);
@@ -176,6 +177,8 @@ class Profiler {
     release_gradients(model_);
     return base > 0 ? slow / base : 1.0;
   }
+
+  int64_t probe_samples() const { return std::min(smallest_trained_, model_.samples()); }
 
   void note_state_changes(const PartsMeasured& r) {
     for (size_t i = 0; i < r.state_changes.size(); ++i) {
