@@ -196,7 +196,7 @@ class Step:
             chosen = shapes.choose(samples, length or 0)
             self.last_choice = chosen
             if not chosen["feasible"]:
-                note(self.observer, f"a batch of {samples} samples" + (f" x {length}" if length else "") +
+                note(self.observer, f"a batch of {samples} samples" + (f" x {length}" + (" pixels" if self.plan._lengths.unit == "pixels" else "") if length else "") +
                      f" fits no plan under {format_bytes(self.budget)}: it runs as planned, recovering as it must")
                 chosen = None
         if chosen is None:

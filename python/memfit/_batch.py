@@ -68,50 +68,94 @@ def device_of(batch):
     return ts[0].device if ts else torch.device("cpu")
 
 
-def _is_token_tensor(t):
-    """Token ids, masks and labels: integer tensors of two or more dimensions, their length along
-    dimension 1 (a DataLoader padding each batch to its longest sequence changes it)."""
-    return t.dim() >= 2 and not t.is_floating_point() and not t.is_complex()
+def _sized_dims(t):
+    """The dimensions a DataLoader may change between batches besides the samples: a sequence's
+    tokens (integer ids, masks, labels of [B, L]; dimension 1), a segmentation mask's [B, H, W]
+    (1 and 2) and an image's or a video's spatial ones (floating [B, C, H, W] or [B, C, T, H, W];
+    2 on). None for features ([B, F]) and for a floating [B, L, D] or [B, C, T], whose length
+    dimension cannot be told from its shape."""
+    if t.dim() < 2:
+        return ()
+    if t.is_floating_point() or t.is_complex():
+        return tuple(range(2, t.dim())) if t.dim() >= 4 else ()
+    return tuple(range(1, t.dim()))
+
+
+def _size_along(t, dims):
+    size = 1
+    for d in dims:
+        size *= t.shape[d]
+    return size
+
+
+# A cut side keeps this much of its power-of-two divisibility: a U-Net pooled four times needs
+# sides divisible by 16 for its skips to meet its upsampled maps again.
+_KEPT_DIVISOR = 16
+
+
+def _cut_side(n, factor):
+    """Side `n` scaled by `factor`, a multiple of the power of two dividing `n` (up to 16)."""
+    step = min(n & -n, _KEPT_DIVISOR)
+    return max(step, round(n * factor / step) * step)
 
 
 class Lengths:
-    """The lengths of the planned batch, each token tensor's by where it is in the batch, and
-    another batch's length as the plan's rule takes it (plan/batch_shape.h: one length, costs as
-    functions of it). One length (a decoder's ids, mask and labels) is the batch's own. Several
-    (an encoder-decoder's source and target) are one scale: the batch is planned as if each had
-    grown as much as the one grown most from the planned batch (an upper bound where the costs
-    grow with each), as `longest` (the planned batch's longest) times that growth."""
+    """The sizes of the planned batch that may change between batches (_sized_dims: a sequence's
+    tokens, an image's pixels), each tensor's by where it is in the batch, and another batch's
+    length as the plan's rule takes it (plan/batch_shape.h: one length, costs as functions of
+    it). One size (a decoder's ids, mask and labels; an image and its mask) is the batch's own.
+    Several (an encoder-decoder's source and target) are one scale: the batch is planned as if
+    each had grown as much as the one grown most from the planned batch (an upper bound where the
+    costs grow with each), as `longest` (the planned batch's largest size) times that growth.
+    An image's size is its pixels: activations grow with them, a vision transformer's attention
+    with their square, as a sequence's with its tokens."""
 
     def __init__(self, planned_batch):
-        self.planned = {path: t.shape[1] for path, t in _tensors(planned_batch) if _is_token_tensor(t)}
-        self.longest = max(self.planned.values(), default=None)
+        self.planned = {path: (_sized_dims(t), _size_along(t, _sized_dims(t)))
+                        for path, t in _tensors(planned_batch) if _sized_dims(t)}
+        self.longest = max((size for _, size in self.planned.values()), default=None)
+        self.unit = "pixels" if any(len(dims) > 1 for dims, _ in self.planned.values()) else "long"
 
     def of(self, batch):
         """The batch's length on the planned batch's scale (None where the planned one has none)."""
         if self.longest is None:
             return None
-        scaled = [-(-t.shape[1] * self.longest // self.planned[path])  # ceil, in integers
-                  for path, t in _tensors(batch) if path in self.planned and t.dim() >= 2]
+        scaled = [-(-_size_along(t, self.planned[path][0]) * self.longest // self.planned[path][1])  # ceil
+                  for path, t in _tensors(batch) if path in self.planned and t.dim() > max(self.planned[path][0])]
         return max(scaled, default=self.longest)
 
     def cut(self, batch, length):
-        """The planned batch with every length scaled to `length` / `longest` (views): dimension 1
-        of each tensor of two or more dimensions whose dimension 1 is one of the planned lengths."""
-        to = {n: max(1, round(n * length / self.longest)) for n in self.planned.values()}
+        """The planned batch cut (views) to about `length` on its scale: each tensor's sized
+        dimensions scaled by (length / longest) ** (1 / how many there are); an image's sides
+        keep their power-of-two divisibility (up to 16), so `of` the result says where it landed."""
+        ratio = length / self.longest
+        # A tensor a sequence's length also runs along without telling it (a floating [B, L]
+        # mask, [B, L, D] embeddings) is cut with it along dimension 1.
+        tokens = {t.shape[1] for path, t in _tensors(batch) if len(self.planned.get(path, ((), 0))[0]) == 1}
 
-        def cut_one(t):
-            return t.narrow(1, 0, to[t.shape[1]]) if t.dim() >= 2 and t.shape[1] in to else t
-        return _map_tensors(batch, cut_one)
+        def cut_one(path, t):
+            dims = self.planned[path][0] if path in self.planned else (1,) if t.dim() >= 2 and t.shape[1] in tokens else ()
+            factor = ratio ** (1 / max(1, len(dims)))
+            for d in dims:
+                n = t.shape[d]
+                t = t.narrow(d, 0, max(1, round(n * factor)) if len(dims) == 1 else _cut_side(n, factor))
+            return t
+        return _map_paths(batch, cut_one)
 
 
 def _map_tensors(batch, fn):
     """The batch with `fn` applied to each tensor, its structure kept."""
+    return _map_paths(batch, lambda _, t: fn(t))
+
+
+def _map_paths(batch, fn, path="batch"):
+    """The batch with `fn(path, tensor)` applied to each tensor (paths as _tensors names them)."""
     if isinstance(batch, torch.Tensor):
-        return fn(batch)
+        return fn(path, batch)
     if isinstance(batch, dict):
-        return type(batch)((k, _map_tensors(v, fn)) for k, v in batch.items())
+        return type(batch)((k, _map_paths(v, fn, f"{path}[{k!r}]")) for k, v in batch.items())
     if isinstance(batch, tuple) and hasattr(batch, "_fields"):
-        return type(batch)(*(_map_tensors(v, fn) for v in batch))
+        return type(batch)(*(_map_paths(v, fn, f"{path}[{i}]") for i, v in enumerate(batch)))
     if isinstance(batch, (list, tuple)):
-        return type(batch)(_map_tensors(v, fn) for v in batch)
+        return type(batch)(_map_paths(v, fn, f"{path}[{i}]") for i, v in enumerate(batch))
     return batch

@@ -153,8 +153,8 @@ class Plan:
 
     def batches(self):
         """What the budget takes, each batch planned by its shape before it runs (memfit's C++
-        rule, plan/batch_shape.h): ``{"length": L0 (None: the batch has no length, only its
-        samples vary), "longest": the longest batch of the planned samples (-1: any searched,
+        rule, plan/batch_shape.h): ``{"length": L0 (a sequence's tokens or an image's pixels,
+        _batch.Lengths; None: the batch has no length, only its samples vary), "longest": the longest batch of the planned samples (-1: any searched,
         up to 64 x L0), "largest": the most samples at L0 (-1: any), "choices": the plan at
         half, once and twice L0}``; None for a plan given its segments."""
         shapes = self._shapes
@@ -183,7 +183,8 @@ class Plan:
                                                     if c["feasible"] else "none fits") for c in b["choices"] if c["length"])
         if b["length"] is None:
             return f"{said(b['largest'], 'samples', 'any number of samples')}, each planned by its samples before it runs"
-        return (f"{self.batch_size} samples up to {said(b['longest'], 'long', 'any length')}, {b['length']} long with "
+        unit = self._lengths.unit  # "long" (a sequence's tokens) or "pixels" (an image's)
+        return (f"{self.batch_size} samples up to {said(b['longest'], unit, 'any length')}, {b['length']} {unit} with "
                 f"{said(b['largest'], 'samples', 'any number of samples')}; each planned before it runs ({choices})")
 
     def __repr__(self):
@@ -315,14 +316,21 @@ def _shape_planner(planner, result, model, loss_fn, batch, found, device, obs):
     if length is not None:
         tracker = _C.Tracker(str(device))
         try:
+            landed = {length}
             for cut in _C.lengths_to_profile(length):
-                parts = ModuleParts(model, loss_fn, lengths.cut(batch, cut), found, device)
+                shorter_batch = lengths.cut(batch, cut)
+                at = lengths.of(shorter_batch)  # an image's sides are rounded: where the cut landed
+                if at in landed:
+                    continue
+                landed.add(at)
+                parts = ModuleParts(model, loss_fn, shorter_batch, found, device)
                 options = _profile_options(obs, streamed=result["optimizer_offloaded"])
                 profile = _C.profile_precision(parts, result["precision"], tracker, options)
-                shorter.append(_C.LengthProfile(cut, profile))
+                shorter.append(_C.LengthProfile(at, profile))
         except (RuntimeError, ValueError, IndexError) as e:  # a model that runs one length only
             note(obs, f"batches are planned by their samples only: the model did not run the batch cut to "
-                      f"{cut} of its {length} positions ({type(e).__name__}: {str(e).splitlines()[0]})")
+                      f"{cut} of its {length} {'pixels' if lengths.unit == 'pixels' else 'positions'} "
+                      f"({type(e).__name__}: {str(e).splitlines()[0]})")
             length, shorter = None, []
     return _C.ShapePlanner(planner, result["json"], length or 0, shorter), lengths
 

@@ -89,12 +89,12 @@ def gpt_loss(model, batch):
 
 
 class ResidualBlock(nn.Module):
-    def __init__(self, channels):
+    def __init__(self, channels, norm=nn.BatchNorm2d):
         super().__init__()
         self.conv1 = nn.Conv2d(channels, channels, 3, padding=1, bias=False)
-        self.bn1 = nn.BatchNorm2d(channels)
+        self.bn1 = norm(channels)
         self.conv2 = nn.Conv2d(channels, channels, 3, padding=1, bias=False)
-        self.bn2 = nn.BatchNorm2d(channels)
+        self.bn2 = norm(channels)
 
     def forward(self, x):
         y = F.relu(self.bn1(self.conv1(x)))
@@ -102,10 +102,13 @@ class ResidualBlock(nn.Module):
 
 
 class CNN(nn.Module):
-    def __init__(self, channels=16, blocks=4, classes=10):
+    """`norm(channels)` makes each normalization layer (a per-sample one, as GroupNorm, makes the
+    gradient of micro-batches the whole batch's)."""
+
+    def __init__(self, channels=16, blocks=4, classes=10, norm=nn.BatchNorm2d):
         super().__init__()
-        self.stem = nn.Sequential(nn.Conv2d(3, channels, 3, padding=1, bias=False), nn.BatchNorm2d(channels), nn.ReLU())
-        self.layers = nn.Sequential(*[ResidualBlock(channels) for _ in range(blocks)])
+        self.stem = nn.Sequential(nn.Conv2d(3, channels, 3, padding=1, bias=False), norm(channels), nn.ReLU())
+        self.layers = nn.Sequential(*[ResidualBlock(channels, norm) for _ in range(blocks)])
         self.head = nn.Linear(channels, classes)
 
     def forward(self, x):
