@@ -68,17 +68,18 @@ def device_of(batch):
     return ts[0].device if ts else torch.device("cpu")
 
 
-def _sized_dims(t):
+def _sized_dims(t, with_tokens):
     """The dimensions a DataLoader may change between batches besides the samples: a sequence's
     tokens (integer ids, masks, labels of [B, L]; dimension 1), a segmentation mask's [B, H, W]
     (1 and 2) and an image's or a video's spatial ones (floating [B, C, H, W] or [B, C, T, H, W];
-    2 on). None for features ([B, F]) and for a floating [B, L, D] or [B, C, T], whose length
-    dimension cannot be told from its shape."""
+    2 on). In a batch `with_tokens` (integer [B, L] tensors) an integer tensor of more dimensions
+    runs along the tokens (a layout model's [B, L, 4] boxes): dimension 1. None for features
+    ([B, F]) and for a floating [B, L, D] or [B, C, T], whose length cannot be told from its shape."""
     if t.dim() < 2:
         return ()
     if t.is_floating_point() or t.is_complex():
         return tuple(range(2, t.dim())) if t.dim() >= 4 else ()
-    return tuple(range(1, t.dim()))
+    return (1,) if with_tokens else tuple(range(1, t.dim()))
 
 
 def _size_along(t, dims):
@@ -111,8 +112,10 @@ class Lengths:
     with their square, as a sequence's with its tokens."""
 
     def __init__(self, planned_batch):
-        self.planned = {path: (_sized_dims(t), _size_along(t, _sized_dims(t)))
-                        for path, t in _tensors(planned_batch) if _sized_dims(t)}
+        found = list(_tensors(planned_batch))
+        with_tokens = any(t.dim() == 2 and not (t.is_floating_point() or t.is_complex()) for _, t in found)
+        sized = {path: (_sized_dims(t, with_tokens), t) for path, t in found}
+        self.planned = {path: (dims, _size_along(t, dims)) for path, (dims, t) in sized.items() if dims}
         self.longest = max((size for _, size in self.planned.values()), default=None)
         self.unit = "pixels" if any(len(dims) > 1 for dims, _ in self.planned.values()) else "long"
 

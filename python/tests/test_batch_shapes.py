@@ -164,5 +164,8 @@ def test_an_image_batch_is_cut_and_measured_by_its_pixels():
     assert shapes_of(half) == [(8, 3, 48, 64), (8, 48, 64), (8,)]  # 45.3 -> 48, 67.9 -> 64: multiples of 16
     assert lengths.of(half) == 48 * 64
     assert lengths.of((torch.zeros(2, 3, 90, 100), torch.zeros(2, 90, 100, dtype=torch.long), label[:2])) == 9000
-    tokens = memfit._batch.Lengths({"ids": torch.zeros(4, 10, dtype=torch.long), "x": torch.zeros(4, 7)})
+    ids, boxes = torch.zeros(4, 10, dtype=torch.long), torch.zeros(4, 10, 4, dtype=torch.long)
+    tokens = memfit._batch.Lengths({"ids": ids, "boxes": boxes, "x": torch.zeros(4, 7)})
     assert tokens.longest == 10 and tokens.unit == "long"  # [B, F] features vary in samples only
+    cut = tokens.cut({"ids": ids, "boxes": boxes, "x": torch.zeros(4, 7)}, 5)  # boxes run along the tokens
+    assert shapes_of(cut) == [(4, 5), (4, 5, 4), (4, 7)]
