@@ -250,6 +250,24 @@ TEST(PlanSearchTest, FloorIsTheSmallestBudgetThatPlans) {
   EXPECT_NE(below.notes.back().find(std::to_string(floor)), std::string::npos);
 }
 
+// A model that could not train on one sample (BatchNorm on one value per channel) is never
+// planned at one: its floor is the floor of two samples per micro-batch.
+TEST(PlanSearchTest, NoMicroBatchUnderTheFewestSamplesTheProfileTrainedOn) {
+  WorkloadProfile two = hand_workload();
+  two.precisions.front().fewest_samples = 2;
+  const Planner any(hand_workload(), hand_request());
+  const Planner at_least_two(two, hand_request());
+  const auto just_over = [](int64_t floor) { return floor + floor / 200; };
+  const Plan at_floor = any.plan(just_over(any.floor_bytes()));
+  ASSERT_TRUE(at_floor.feasible);
+  ASSERT_EQ(at_floor.config.micro_batch, 1);  // one sample is what the smallest budget takes
+  EXPECT_GT(at_least_two.floor_bytes(), any.floor_bytes());
+  const Plan p = at_least_two.plan(just_over(at_least_two.floor_bytes()));
+  ASSERT_TRUE(p.feasible);
+  EXPECT_EQ(p.config.micro_batch, 2);
+  EXPECT_FALSE(at_least_two.plan(just_over(any.floor_bytes())).feasible);
+}
+
 TEST(PlanSearchTest, OptimizerStateIsCountedAsGiven) {
   PlanRequest light = hand_request();
   light.optimizer = {};  // plain SGD: no state, no temporaries

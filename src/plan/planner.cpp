@@ -155,8 +155,13 @@ Plan Planner::evaluate(int64_t m, Precision precision, const CheckpointPlan& che
 
 std::vector<int64_t> Planner::candidate_sizes() const {
   if (request_.step.micro_batch > 0) return {request_.step.micro_batch};
+  // A size some precision could not train on fails when run, and timing it as a rival would fail the plan.
+  int64_t fewest = 1;
+  for (const auto& p : profile_.precisions) fewest = std::max(fewest, p.fewest_samples);
   std::vector<int64_t> sizes;
-  for (int64_t m = profile_.batch; m >= 1; m = m == 1 ? 0 : (m + 1) / 2) sizes.push_back(m);
+  for (int64_t m = profile_.batch; m >= 1; m = m == 1 ? 0 : (m + 1) / 2) {
+    if (m >= fewest) sizes.push_back(m);
+  }
   return sizes;
 }
 

@@ -111,6 +111,7 @@ class Profiler {
     p.small = a < b ? chain_profile(precision, a) : p.large;
     progress(std::string(precision_name(precision)) + ", " + std::to_string(a) + " samples");
     p.below = below(precision, a);
+    p.fewest_samples = p.below.empty() ? a : p.below.front().micro_batch;
     release_gradients(model_);
     return p;
   }

@@ -203,8 +203,7 @@ double StepCosts::step_seconds(int64_t m, const PrecisionProfile& p, const Sched
 
 int64_t StepCosts::floor_bytes() const {
   // The smallest peak over precisions (and optimizer states) at the smallest micro-batch
-  // allowed, margin included.
-  const int64_t m = request_.step.micro_batch > 0 ? request_.step.micro_batch : 1;
+  // allowed (the pinned one, or the fewest samples the precision's profile trained on), margin included.
   const int depth = request_.prefetch_depths.empty()
                         ? 0 : *std::min_element(request_.prefetch_depths.begin(), request_.prefetch_depths.end());
   int64_t smallest = std::numeric_limits<int64_t>::max();
@@ -213,6 +212,7 @@ int64_t StepCosts::floor_bytes() const {
   for (const OptimizerCost* optimizer : candidates) {
     if (any_fits_host && !fits_host(*optimizer)) continue;  // (none fits: the host budget is what fails)
     for (const auto& pp : profile_.precisions) {
+      const int64_t m = request_.step.micro_batch > 0 ? request_.step.micro_batch : pp.fewest_samples;
       const ChainCosts c = costs_at(m, pp, *optimizer, depth);
       const int64_t s = request_.checkpoint ? pinned_smallest_peak(c, *request_.checkpoint) : smallest_peak(c);
       smallest = std::min(smallest, std::max(s, optimizer_peak(*optimizer)));

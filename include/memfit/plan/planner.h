@@ -88,7 +88,8 @@ class Planner {
   StepCosts cost_model() const;
   TimeModel time_model() const;
   Plan prediction_base(int64_t budget) const;
-  std::vector<int64_t> candidate_sizes() const;  // the pinned micro-batch, or B, B/2, B/4, ... 1
+  // The pinned micro-batch, or B, B/2, B/4, ... 1, none under a precision's fewest_samples.
+  std::vector<int64_t> candidate_sizes() const;
   Plan unfitted_plan(Precision precision, StatePrecision state) const;  // feasible false, config defaults
   // The best plan at micro-batch m (not feasible when none fits `usable`): at the first of the
   // request's prefetch depths that fits, or at one.

@@ -87,6 +87,10 @@ struct PrecisionProfile {
   // bytes only. A size the model cannot train on is left out (BatchNorm on a 1x1 map at one
   // sample): plans of that size then fail when run, as the model would.
   std::vector<ChainProfile> below;
+  // The fewest samples the model trained on here (2 where one sample failed, as BatchNorm on one
+  // value per channel): the planner searches no smaller micro-batch. Not kept in a profile's JSON
+  // (a cached profile searches down to one sample, and such a plan fails when run).
+  int64_t fewest_samples = 1;
   double calibration = 1.0;            // measured / modelled bytes (1: measured in the model's terms)
   // By micro-batch, ascending; empty: not timed yet (guessed from the parts, see above). At
   // least one precision of a profile is timed.
