@@ -196,8 +196,9 @@ class Step:
             chosen = shapes.choose(samples, length or 0)
             self.last_choice = chosen
             if not chosen["feasible"]:
-                note(self.observer, f"a batch of {samples} samples" + (f" x {length}" + (" pixels" if self.plan._lengths.unit == "pixels" else "") if length else "") +
-                     f" fits no plan under {format_bytes(self.budget)}: it runs as planned, recovering as it must")
+                shape = f" x {length}" + (" pixels" if self.plan._lengths.unit == "pixels" else "") if length else ""
+                note(self.observer, f"a batch of {samples} samples{shape} fits no plan under "
+                                    f"{format_bytes(self.budget)}: it runs as planned, recovering as it must")
                 chosen = None
         if chosen is None:
             micro_batch, segments = self.micro_batch, self.plan.segments

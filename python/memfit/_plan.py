@@ -154,8 +154,8 @@ class Plan:
     def batches(self):
         """What the budget takes, each batch planned by its shape before it runs (memfit's C++
         rule, plan/batch_shape.h): ``{"length": L0 (a sequence's tokens or an image's pixels,
-        _batch.Lengths; None: the batch has no length, only its samples vary), "longest": the longest batch of the planned samples (-1: any searched,
-        up to 64 x L0), "largest": the most samples at L0 (-1: any), "choices": the plan at
+        _batch.Lengths; None: the batch has no length, only its samples vary), "longest": the
+        longest batch of the planned samples (-1: any searched, up to 64 x L0), "largest": the most samples at L0 (-1: any), "choices": the plan at
         half, once and twice L0}``; None for a plan given its segments."""
         shapes = self._shapes
         if shapes is None:

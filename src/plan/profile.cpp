@@ -73,7 +73,6 @@ class Profiler {
     const PartsMeasured nograd = measure_parts_nograd(model_, tracker_, device_, run);
     add_nograd(parts, tracker_, device_, nograd);
     if (options_.streamed) add_streamed(parts, plain, measure_parts(model_, tracker_, device_, run, PartRunKind::kStreamed));
-    smallest_trained_ = std::min(smallest_trained_, m);
     ChainProfile profile;
     profile.micro_batch = m;
     profile.blocks = std::move(parts.costs);
@@ -116,11 +115,13 @@ class Profiler {
     return p;
   }
 
-  // Why a mixed precision is not profiled, or nothing where it is.
-  std::optional<std::string> dropped(Precision precision, Precision baseline) {
+  // Why a mixed precision is not profiled, or nothing where it is (`baseline`: the precision
+  // profiled first).
+  std::optional<std::string> dropped(Precision precision, const PrecisionProfile& baseline) {
+    const int64_t samples = std::min(baseline.fewest_samples, model_.samples());
     double ratio = 1.0;
     try {
-      ratio = slowdown(precision, baseline);
+      ratio = slowdown(precision, baseline.precision, samples);
     } catch (const c10::OutOfMemoryError&) {
       throw;
     } catch (const std::exception& e) {
@@ -131,8 +132,8 @@ class Profiler {
     char text[32];
     std::snprintf(text, sizeof text, "%.1fx", ratio);
     return std::string(precision_name(precision)) + " not considered: it ran " + text + " slower than " +
-           precision_name(baseline) + " here (a step of " + std::to_string(probe_samples()) + " sample" +
-           (probe_samples() == 1 ? "" : "s") + "; over " +
+           precision_name(baseline.precision) + " here (a step of " + std::to_string(samples) + " sample" +
+           (samples == 1 ? "" : "s") + "; over " +
            std::to_string(static_cast<int>(kSlowPrecisionRatio)) + "x: too slow to be the fastest); `precision` " +
            precision_name(precision) + " plans with it alone";
   }
@@ -159,11 +160,11 @@ class Profiler {
   void skip_steps(int n) { done_ += n; }
 
  private:
-  // How many times slower `precision` runs a step of the fewest samples the baseline's profile
-  // trained on (one, or two where BatchNorm meets a 1x1 map) than the baseline: best of up to
+  // How many times slower `precision` runs a step of `samples` (the fewest the baseline's profile
+  // trained on: one, or two where BatchNorm meets a 1x1 map) than the baseline: best of up to
   // three rounds, alternating, after a first use of each; kClearMargin ends them early.
-  double slowdown(Precision precision, Precision baseline) {
-    const PartRun base_run{probe_samples(), baseline, false};
+  double slowdown(Precision precision, Precision baseline, int64_t samples) {
+    const PartRun base_run{samples, baseline, false};
     PartRun run = base_run;
     run.precision = precision;
     time_parts(model_, base_run);
@@ -178,8 +179,6 @@ class Profiler {
     release_gradients(model_);
     return base > 0 ? slow / base : 1.0;
   }
-
-  int64_t probe_samples() const { return std::min(smallest_trained_, model_.samples()); }
 
   void note_state_changes(const PartsMeasured& r) {
     for (size_t i = 0; i < r.state_changes.size(); ++i) {
@@ -199,7 +198,6 @@ class Profiler {
   MemoryDevice device_;
   const ProfileOptions& options_;
   int done_ = 0, total_ = 1;
-  int64_t smallest_trained_ = 2;  // the fewest samples a chain profile ran on (two before any did)
   std::vector<std::string> notes_;
   std::unordered_set<size_t> noted_;
 };
@@ -208,9 +206,9 @@ class Profiler {
 // through a whole profile (e.g. GroupNorm under CPU bf16 autocast in 1.13) is left out, the
 // baseline's errors reach the caller.
 std::optional<PrecisionProfile> profile_or_note(Profiler& profiler, PartwiseModel& model, Precision precision,
-                                                Precision baseline, std::vector<std::string>& notes) {
-  if (precision != baseline) {
-    if (auto why = profiler.dropped(precision, baseline)) {
+                                                const PrecisionProfile* baseline, std::vector<std::string>& notes) {
+  if (baseline != nullptr) {
+    if (auto why = profiler.dropped(precision, *baseline)) {
       notes.push_back(*why);
       profiler.skip_steps(2);
       return std::nullopt;
@@ -222,7 +220,7 @@ std::optional<PrecisionProfile> profile_or_note(Profiler& profiler, PartwiseMode
     throw;
   } catch (const std::exception& e) {
     release_gradients(model);
-    if (precision == baseline) throw;
+    if (baseline == nullptr) throw;
     notes.push_back(std::string(precision_name(precision)) + " not considered: it fails on this model (" + cause_of(e) + ")");
     return std::nullopt;
   }
@@ -260,7 +258,9 @@ WorkloadProfile profile_parts(PartwiseModel& model, const std::vector<Precision>
   Profiler profiler(model, tracker, options);
   profiler.expect_steps(2 * static_cast<int>(precisions.size()) + 1);
   for (Precision precision : precisions) {
-    auto p = profile_or_note(profiler, model, precision, precisions.front(), profile.notes);
+    // The baseline, profiled first (its errors reach the caller), is what the others are timed against.
+    const PrecisionProfile* baseline = precision == precisions.front() ? nullptr : &profile.precisions.front();
+    auto p = profile_or_note(profiler, model, precision, baseline, profile.notes);
     if (p) profile.precisions.push_back(std::move(*p));
   }
   profiler.time_fastest(profile.precisions);

@@ -159,6 +159,7 @@ nlohmann::json precision_profile_json(const PrecisionProfile& p) {
     for (const auto& c : p.below) below.push_back(chain_profile_json(c));
     j["below"] = below;  // absent: none measured
   }
+  if (p.fewest_samples != 1) j["fewest_samples"] = p.fewest_samples;  // absent: one
   return j;
 }
 
@@ -175,6 +176,7 @@ PrecisionProfile precision_profile_from_json(const nlohmann::json& j, size_t blo
       previous = p.below.back().micro_batch;
     }
   }
+  if (j.contains("fewest_samples")) p.fewest_samples = jf::integer(j, "fewest_samples");  // absent: one
   p.calibration = jf::number(j, "calibration");
   int64_t previous = 0;
   for (const auto& t : jf::array(j, "chain_seconds")) {

@@ -88,8 +88,7 @@ struct PrecisionProfile {
   // sample): plans of that size then fail when run, as the model would.
   std::vector<ChainProfile> below;
   // The fewest samples the model trained on here (2 where one sample failed, as BatchNorm on one
-  // value per channel): the planner searches no smaller micro-batch. Not kept in a profile's JSON
-  // (a cached profile searches down to one sample, and such a plan fails when run).
+  // value per channel): the planner searches no smaller micro-batch.
   int64_t fewest_samples = 1;
   double calibration = 1.0;            // measured / modelled bytes (1: measured in the model's terms)
   // By micro-batch, ascending; empty: not timed yet (guessed from the parts, see above). At
