@@ -306,6 +306,11 @@ struct RunScope {
   }
 };
 
+// Waits for the device's queued kernels, so that a clock read after them counts them.
+void synchronize(const c10::Device& device) {
+  if (device.is_cuda()) torch::cuda::synchronize(device.index() < 0 ? 0 : device.index());
+}
+
 }  // namespace
 
 void release_gradients(PartwiseModel& model) { zero_grad(model.parameters(), true); }
@@ -336,6 +341,7 @@ PartsMeasured measure_parts(PartwiseModel& model, MemoryTracker& tracker, Memory
     loss.backward();
     recorder->end_backward();
   }
+  model.mark_warm(run);
   return recorder->take();
 }
 
@@ -375,7 +381,18 @@ double time_parts(PartwiseModel& model, const PartRun& run) {
     PhaseGuard phase(Phase::kBackward);
     loss.backward();
   }
-  if (model.device().is_cuda()) torch::cuda::synchronize(model.device().index() < 0 ? 0 : model.device().index());
+  synchronize(model.device());
+  model.mark_warm(run);
+  return seconds_since(t0);
+}
+
+double time_forward(PartwiseModel& model, const PartRun& run) {
+  const auto t0 = ProfileClock::now();
+  {
+    PhaseGuard phase(Phase::kForward);
+    at::Tensor loss = model.forward(run, nullptr);
+  }
+  synchronize(model.device());
   return seconds_since(t0);
 }
 

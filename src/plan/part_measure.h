@@ -85,6 +85,10 @@ PartsMeasured measure_parts_nograd(PartwiseModel& model, MemoryTracker& tracker,
 // unless it is the whole batch (a step's later micro-batches add; its first writes them).
 double time_parts(PartwiseModel& model, const PartRun& run);
 
+// Seconds of the forward alone of `run`, as a step runs it (its graph dropped after): a third
+// or so of time_parts, for comparisons its ratio decides.
+double time_forward(PartwiseModel& model, const PartRun& run);
+
 // The gradients of the model's parameters released (set to none).
 void release_gradients(PartwiseModel& model);
 

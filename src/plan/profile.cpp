@@ -3,7 +3,9 @@
 #include <torch/torch.h>
 
 #include <algorithm>
+#include <cmath>
 #include <cstdio>
+#include <functional>
 #include <limits>
 #include <optional>
 #include <unordered_set>
@@ -27,7 +29,7 @@ constexpr double kSlowPrecisionRatio = 3.0;
 
 // Timing rounds of that comparison stop once one lands this far from the threshold, either way:
 // noise between rounds is a few percent, so more rounds could not carry the ratio across it. A
-// precision 20x slower then costs two of its steps instead of four.
+// precision 20x slower then costs one forward of it.
 constexpr double kClearMargin = 2.0;
 
 // Bytes of the storages of `tensors`, each storage once.
@@ -40,11 +42,13 @@ int64_t unique_storage_bytes(const std::vector<at::Tensor>& tensors) {
   return total;
 }
 
-// Each size's median of runs as in a step, by timing_rounds.h's rule: first uses (where the sizes
-// may be new), then alternating rounds. Gradients are released after.
-std::vector<double> step_medians(PartwiseModel& model, const std::vector<PartRun>& sizes, bool first_use) {
+// Each size's median of runs as in a step, by timing_rounds.h's rule: a first use of each size
+// the model has not run, then alternating rounds. Gradients are released after.
+std::vector<double> step_medians(PartwiseModel& model, const std::vector<PartRun>& sizes) {
   TimingRounds rounds(sizes.size());
-  for (size_t i = 0; first_use && i < sizes.size(); ++i) rounds.first_use(i, time_parts(model, sizes[i]));
+  for (size_t i = 0; i < sizes.size(); ++i) {
+    if (!model.warm(sizes[i])) rounds.first_use(i, time_parts(model, sizes[i]));
+  }
   for (auto round = rounds.next_round(); !round.empty(); round = rounds.next_round()) {
     for (size_t i : round) rounds.add(i, time_parts(model, sizes[i]));
   }
@@ -104,7 +108,6 @@ class Profiler {
     const auto [a, b] = profiled_sizes(model_.samples());
     PrecisionProfile p;
     p.precision = precision;
-    time_parts(model_, {b, precision, false});  // first use of the size and its kernels
     p.large = chain_profile(precision, b);
     progress(std::string(precision_name(precision)) + ", " + std::to_string(b) + " samples");
     p.small = a < b ? chain_profile(precision, a) : p.large;
@@ -147,7 +150,7 @@ class Profiler {
     const int64_t a = fastest.small.micro_batch, b = fastest.large.micro_batch;
     std::vector<PartRun> sizes{{a, fastest.precision, false}};
     if (b != a) sizes.push_back({b, fastest.precision, false});
-    const std::vector<double> seconds = step_medians(model_, sizes, /*first_use=*/false);
+    const std::vector<double> seconds = step_medians(model_, sizes);
     fastest.chain_seconds.clear();
     for (size_t i = 0; i < sizes.size(); ++i) fastest.chain_seconds.push_back({sizes[i].samples, seconds[i]});
     progress("timed");
@@ -161,23 +164,39 @@ class Profiler {
 
  private:
   // How many times slower `precision` runs a step of `samples` (the fewest the baseline's profile
-  // trained on: one, or two where BatchNorm meets a 1x1 map) than the baseline: best of up to
-  // three rounds, alternating, after a first use of each; kClearMargin ends them early.
+  // trained on: one, or two where BatchNorm meets a 1x1 map) than the baseline. The forwards are
+  // compared first: where their ratio is clear of the threshold it decides, and the slow
+  // precision's backward (the longer half) never runs; else whole steps are.
   double slowdown(Precision precision, Precision baseline, int64_t samples) {
-    const PartRun base_run{samples, baseline, false};
-    PartRun run = base_run;
+    const PartRun base{samples, baseline, false};
+    PartRun run = base;
     run.precision = precision;
-    time_parts(model_, base_run);
-    time_parts(model_, run);
-    double base = std::numeric_limits<double>::infinity(), slow = base;
-    for (int i = 0; i < 3; ++i) {
-      base = std::min(base, time_parts(model_, base_run));
-      slow = std::min(slow, time_parts(model_, run));
-      const double ratio = slow / base;
-      if (ratio > kSlowPrecisionRatio * kClearMargin || ratio < kSlowPrecisionRatio / kClearMargin) break;
-    }
+    const auto forward = [this](const PartRun& r) { return time_forward(model_, r); };
+    const auto step = [this](const PartRun& r) { return time_parts(model_, r); };
+    double ratio = timed_ratio(forward, base, run);
+    if (!clear_of_threshold(ratio)) ratio = timed_ratio(step, base, run);
     release_gradients(model_);
-    return base > 0 ? slow / base : 1.0;
+    return ratio;
+  }
+
+  // `run`'s seconds over `base`'s by `time`: best of up to three rounds, alternating, ended once
+  // clear of the threshold. `base` ran in the profile (first use paid); `run`'s first use is
+  // kept as a timed run by timing_rounds.h's rule (one of kMinTimedSeconds or more: what first
+  // use adds is small beside it), so a precision many times slower runs once.
+  static double timed_ratio(const std::function<double(const PartRun&)>& time, const PartRun& base, const PartRun& run) {
+    double slow = time(run);
+    if (slow < TimingRounds::kMinTimedSeconds) slow = std::numeric_limits<double>::infinity();
+    double fast = std::numeric_limits<double>::infinity();
+    for (int i = 0; i < 3; ++i) {
+      fast = std::min(fast, time(base));
+      if (i > 0 || std::isinf(slow)) slow = std::min(slow, time(run));
+      if (clear_of_threshold(slow / fast)) break;
+    }
+    return fast > 0 ? slow / fast : 1.0;
+  }
+
+  static bool clear_of_threshold(double ratio) {
+    return ratio > kSlowPrecisionRatio * kClearMargin || ratio < kSlowPrecisionRatio / kClearMargin;
   }
 
   void note_state_changes(const PartsMeasured& r) {
@@ -293,11 +312,11 @@ std::vector<double> time_step_sizes(PartwiseModel& model, Precision precision, c
   runs.push_back({reference.point.micro_batch, reference.precision, false});
   std::vector<double> seconds;
   try {
-    seconds = step_medians(model, runs, /*first_use=*/true);
+    seconds = step_medians(model, runs);
   } catch (const c10::OutOfMemoryError&) {
     release_gradients(model);  // the failed run's partial gradients
     for (auto& run : runs) run.recompute_all = true;
-    seconds = step_medians(model, runs, /*first_use=*/true);
+    seconds = step_medians(model, runs);
   }
   return on_reference_scale(std::move(seconds), reference.point.seconds);
 }

@@ -28,11 +28,13 @@
 // then such a precision's step is guessed as the timed one's, scaled by the two precisions' part
 // seconds at half the batch; the planner times it when a plan or a close rival runs it.
 //
-// A mixed precision is first probed: a step of two samples (BatchNorm cannot train on one where
-// a layer's output is 1x1) at the baseline and at it, each warm, the best of three alternating
-// runs. One that runs over 3x slower is not profiled, with a note: bf16 on a CPU without bf16
-// instructions runs many times slower, and profiling it would take most of planning for a
-// precision no plan would choose. One the model cannot run is dropped with a note too.
+// A mixed precision is first probed on the fewest samples the baseline trained on (one, or two
+// where BatchNorm meets a 1x1 map): forwards at the baseline and at it, then, where their ratio
+// is not clearly over or under 3x, whole steps; the best of up to three alternating runs each,
+// a slow first run counted as one. One that runs over 3x slower is not profiled, with a note:
+// bf16 on a CPU without bf16 instructions runs many times slower, and profiling it would take
+// most of planning for a precision no plan would choose. One the model cannot run is dropped
+// with a note too.
 #pragma once
 
 #include <nlohmann/json.hpp>
@@ -96,6 +98,13 @@ struct PrecisionProfile {
   std::vector<ChainSeconds> chain_seconds;
 };
 
+// One precision's costs measured on the batch cut to `length` (its samples unchanged): what
+// batch_shape.h fits the costs of other lengths through.
+struct LengthProfile {
+  int64_t length = 0;
+  PrecisionProfile profile;
+};
+
 struct WorkloadProfile {
   int64_t batch = 0;                   // samples per step the profile is for
   int64_t weight_bytes = 0;            // all parameters
@@ -131,8 +140,9 @@ ChainProfile profile_parts_at(PartwiseModel& model, int64_t micro_batch, Precisi
                               const ProfileOptions& options = {});
 
 // Seconds of the plain step's forward + backward on the first m samples at `precision`, for
-// each m of `sizes`: each size's median of three or more runs as in a step (after a first run
-// paying for first use, itself one of them where it took a quarter second or more), the runs
+// each m of `sizes`: each size's median of three or more runs as in a step (a size the model has
+// not run first runs once, paying for first use, itself one of them where it took a quarter
+// second or more), the runs
 // alternating with a `reference` point timed before (at its own precision), and each median
 // scaled by the reference's seconds over its median now. So a size timed later is put beside the
 // earlier ones by a ratio measured seconds apart (a shared machine's speed can drift by half over
@@ -150,5 +160,7 @@ WorkloadProfile profile_workload(Workload& workload, const Batch& batch, const s
 // The reader throws std::invalid_argument naming the first bad field.
 nlohmann::json profile_json(const WorkloadProfile& profile);
 WorkloadProfile profile_from_json(const nlohmann::json& j);
+nlohmann::json length_profile_json(const LengthProfile& profile);
+LengthProfile length_profile_from_json(const nlohmann::json& j, size_t blocks);
 
 }  // namespace memfit
