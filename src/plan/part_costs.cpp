@@ -192,6 +192,8 @@ void add_accumulating(PartCosts& parts, const MemoryTracker& tracker, MemoryDevi
   int64_t later_gradients = 0;
   for (size_t k = parts.costs.size(); k-- > 0;) {
     BlockCost& c = parts.costs[k];
+    c.forward_seconds = accumulating.forward_seconds[k];
+    c.backward_seconds = accumulating.backward_seconds[k];
     const int64_t offset = parts.offsets[k].backward - plain.run_live0 - later_gradients + accumulating.run_live0;
     const int64_t peak = accumulating.backward_peak[k] - offset;
     c.backward_peak_accumulating = std::max<int64_t>(0, peak);

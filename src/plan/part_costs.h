@@ -37,7 +37,9 @@ PartCosts part_costs(const PartwiseModel& model, const MemoryTracker& tracker, M
 // Each part's backward with every gradient there before, added into (a step's later
 // micro-batches), in the plain run's terms less the gradients of later parts (alive from the
 // start of this run); and what is live beyond those terms at its first read of a saved tensor
-// (where a non-reentrant checkpoint recomputes the segment it ends).
+// (where a non-reentrant checkpoint recomputes the segment it ends). Each part's seconds are
+// this run's: it runs after the plain run, which paid for the size's first use (kernels built),
+// and adds into gradients as the timed steps do (time_parts).
 void add_accumulating(PartCosts& parts, const MemoryTracker& tracker, MemoryDevice device, const PartsMeasured& plain,
                       const PartsMeasured& accumulating);
 

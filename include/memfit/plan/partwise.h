@@ -16,7 +16,9 @@
 #include <ATen/ATen.h>
 
 #include <cstdint>
+#include <set>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "memfit/runtime/workload.h"
@@ -88,6 +90,15 @@ class PartwiseModel {
   // The loss of one forward as `run` says, in the caller's grad mode and tracker phase,
   // telling `observer` (if given) where each part starts.
   virtual at::Tensor forward(const PartRun& run, PartObserver* observer) = 0;
+
+  // Whether a forward + backward of `run`'s samples at its precision ran on this model before:
+  // its first use is paid (oneDNN's kernels for those shapes built, a caching allocator grown),
+  // so a timing needs no run to pay it (timing_rounds.h). The measuring runs mark it.
+  bool warm(const PartRun& run) const { return warm_.count({static_cast<int>(run.precision), run.samples}) > 0; }
+  void mark_warm(const PartRun& run) { warm_.insert({static_cast<int>(run.precision), run.samples}); }
+
+ private:
+  std::set<std::pair<int, int64_t>> warm_;  // (precision, samples)
 };
 
 // A Workload's Chain on one batch, part by part: each block a part.

@@ -2,9 +2,10 @@
 // C++ profile (profile.h) and the Python package (memfit.plan, which runs the user's model)
 // both follow. No torch: the caller runs the chain, this says what to run and what it was.
 //
-// Each size first runs once as in a step, paying for first use (oneDNN builds kernels per
-// shape); a first run of kMinTimedSeconds or more is kept as a timed run (what first use adds is
-// small beside it, and a slow first run is outvoted by the median). Then the sizes run in
+// Each size the model has not run yet (PartwiseModel::warm) first runs once as in a step, paying
+// for first use (oneDNN builds kernels per shape); a first run of kMinTimedSeconds or more is kept
+// as a timed run (what first use adds is small beside it, and a slow first run is outvoted by the
+// median). Then the sizes run in
 // rounds, alternating, so that a burst of slowness (seconds long on a small shared machine)
 // falls on every size alike: each size three times, and more (up to kMaxTimedRuns) until its
 // runs add up to kMinTimedSeconds — a short run meets the machine's hiccups as often as a long
