@@ -7,6 +7,10 @@
 
 #include <algorithm>
 #include <filesystem>
+#include <fstream>
+#include <set>
+
+#include <nlohmann/json.hpp>
 
 namespace memfit {
 namespace {
@@ -87,6 +91,8 @@ TEST(TrainerTest, PartsRunOneByOneAndResumeIsExact) {
   const TrainSummary straight = train(straight_w, o, quiet);
 
   Workload first_w = user_workload(2);
+  struct Dbg0 : TrainObserver { void on_note(const std::string& n) override { std::cerr << "NOTE " << n << "\n"; }
+    void on_step(const StepEvent& e) override { std::cerr << "FIRST " << e.step << " L" << e.tokens_per_sample << " m" << e.micro_batch << " r" << e.recomputed_blocks << " peak " << e.peak_bytes << " live " << e.live_bytes << "\n"; } } dbg0;
   TrainOptions first_half = o;
   first_half.steps = 3;
   first_half.save_dir = dir.string();
@@ -144,37 +150,53 @@ class PlannedOnAShorterBatch : public Dataset {
   int64_t length_;
 };
 
-// Batches up to twice as long as the planned one need smaller micro-batches or more recompute
-// under the budget: chosen before they run, so no out-of-memory error; every step under the
-// budget, and the losses of the same batches trained plainly (micro-batches change only the
-// order of float sums).
-TEST(TrainerTest, BatchesOfVaryingLengthArePlannedFromTheirLengthBeforeTheyRun) {
-  test::use_memfit_allocator();
+// The small GPT on batches of 16 to 64 characters, planned on one of 32.
+ModelOptions varying_length_model() {
   ModelOptions m = test::small_gpt(5);
   m.gpt.layers = 4;
   m.gpt.dropout = 0.0;
   m.shortest = 16;
-  const auto workload = [&m] {
-    Workload w = make_workload(m);
-    w.data = std::make_shared<PlannedOnAShorterBatch>(w.data, m.gpt.seq / 2);
-    return w;
-  };
+  return m;
+}
+
+Workload varying_length_workload(const ModelOptions& m) {
+  Workload w = make_workload(m);
+  w.data = std::make_shared<PlannedOnAShorterBatch>(w.data, m.gpt.seq / 2);
+  return w;
+}
+
+// 8 fp32 steps of 16 samples; `plain` the same with one micro-batch and no budget.
+TrainOptions varying_length_options() {
   TrainOptions o;
   o.step.batch = 16;
   o.steps = 8;
   o.pin_precision = true;  // step.precision: fp32
   o.step.optimizer.state = StatePrecision::kFP32;
   o.eval_every = 0;
-  TrainOptions plain = o;
-  plain.budget_bytes = int64_t{1} << 40;
-  plain.step.micro_batch = 16;
-  plain.pin_checkpoint = true;  // step.checkpoint: none
-  Workload plain_w = workload();
+  return o;
+}
+
+TrainOptions plain_options(TrainOptions o) {
+  o.budget_bytes = int64_t{1} << 40;
+  o.step.micro_batch = 16;
+  o.pin_checkpoint = true;  // step.checkpoint: none
+  return o;
+}
+
+// Batches up to twice as long as the planned one need smaller micro-batches or more recompute
+// under the budget: chosen before they run, so no out-of-memory error; every step under the
+// budget, and the losses of the same batches trained plainly (micro-batches change only the
+// order of float sums).
+TEST(TrainerTest, BatchesOfVaryingLengthArePlannedFromTheirLengthBeforeTheyRun) {
+  test::use_memfit_allocator();
+  const ModelOptions m = varying_length_model();
+  TrainOptions o = varying_length_options();
+  Workload plain_w = varying_length_workload(m);
   TrainObserver quiet;
-  const TrainSummary reference = train(plain_w, plain, quiet);
+  const TrainSummary reference = train(plain_w, plain_options(o), quiet);
 
   o.budget_bytes = reference.plan.plain_predicted_peak * 45 / 100;
-  Workload w = workload();
+  Workload w = varying_length_workload(m);
   StepsSeen seen;
   const TrainSummary s = train(w, o, seen);
   EXPECT_EQ(s.oom_recoveries, 0);
@@ -187,6 +209,49 @@ TEST(TrainerTest, BatchesOfVaryingLengthArePlannedFromTheirLengthBeforeTheyRun) 
     return e.tokens_per_sample > m.gpt.seq / 2 && (e.micro_batch < planned || e.recomputed_blocks > recomputed);
   });
   EXPECT_TRUE(lowered_when_longer) << "no longer batch ran in smaller micro-batches or with more recompute than the plan";
+}
+
+// Saved mid-run and resumed: the resumed run plans each batch's shape from the measurements the
+// first run made (the profile cache keeps the shorter lengths' too), so it splits every batch as
+// the run straight through did: the same losses and weights, bit for bit.
+TEST(TrainerTest, ARunOfVaryingLengthsResumesExactly) {
+  test::use_memfit_allocator();
+  const auto dir = std::filesystem::temp_directory_path() / ("memfit-varying-" + std::to_string(::getpid()));
+  std::filesystem::remove_all(dir);
+  const ModelOptions m = varying_length_model();
+  const auto run = [&m](const TrainOptions& o, TrainObserver& observer) {  // no model of an earlier run left alive
+    Workload w = varying_length_workload(m);
+    return train(w, o, observer);
+  };
+  TrainOptions o = varying_length_options();
+  TrainOptions plain = plain_options(o);
+  plain.steps = 1;
+  TrainObserver quiet;
+  o.budget_bytes = run(plain, quiet).plan.plain_predicted_peak * 45 / 100;
+  o.profile_cache.dir = (dir / "cache").string();
+
+  StepsSeen seen;
+  const TrainSummary straight = run(o, seen);
+  std::set<int64_t> micro_batches;
+  for (const StepEvent& e : seen.steps) micro_batches.insert(e.micro_batch);
+  ASSERT_GT(micro_batches.size(), 1u) << "every batch ran one micro-batch size: no shape was planned apart";
+  for (const auto& file : std::filesystem::directory_iterator(dir / "cache")) {
+    std::ifstream in(file.path());
+    const nlohmann::json kept = nlohmann::json::parse(in);
+    EXPECT_EQ(kept.at("costs").at("lengths").size(), 2u) << file.path() << ": the lengths L0/2 and L0/4 not kept";
+  }
+
+  TrainOptions first_half = o;
+  first_half.steps = 4;
+  first_half.save_dir = (dir / "state").string();
+  run(first_half, quiet);
+  TrainOptions second_half = o;
+  second_half.resume_dir = first_half.save_dir;
+  const TrainSummary resumed = run(second_half, quiet);
+  ASSERT_EQ(resumed.losses.size(), 4u);
+  for (size_t i = 0; i < 4; ++i) EXPECT_EQ(resumed.losses[i], straight.losses[4 + i]) << "step " << 5 + i;
+  EXPECT_EQ(resumed.weights_sha256, straight.weights_sha256);
+  std::filesystem::remove_all(dir);
 }
 
 TEST(TrainerTest, EvaluationSplitsAMicroBatchThatRunsOutOfMemory) {

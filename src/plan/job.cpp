@@ -53,7 +53,14 @@ PlanJob::PlanJob(Workload& workload, BatchSource batch, PlanJobOptions options, 
   request.optimizer = costs.optimizer.front();
   request.optimizer_alternatives.assign(costs.optimizer.begin() + 1, costs.optimizer.end());
   if (complete) complete(request, costs);
+  lengths_ = std::move(costs.lengths);
   planner_.emplace(std::move(costs.profile), std::move(request));
+}
+
+MeasuredCosts PlanJob::measured_costs() const {
+  MeasuredCosts costs = planner_->measured_costs();
+  costs.lengths = lengths_;
+  return costs;
 }
 
 std::optional<ReservedFitOptions> reserved_fit_for(const c10::Device& device) {
@@ -77,7 +84,7 @@ Plan PlanJob::plan(int64_t budget_bytes) {
     const StepRecorder record = [this](const StepConfig& config, int steps) { return record_steps(config, steps); };
     plan = fit_reserved(*planner_, std::move(plan), device, record, *options_.reserved_fit, replan);
   }
-  if (timed > 0) store_costs(source_, planner_->measured_costs());  // the cache keeps the sizes timed
+  if (timed > 0) store_costs(source_, measured_costs());  // the cache keeps the sizes timed
   return plan;
 }
 
@@ -127,13 +134,23 @@ bool PlanJob::add_precision_if_missing(Precision precision) {
 ShapePlanner PlanJob::shape_planner(const Plan& plan) {
   const Batch batch = batch_();
   const int64_t length = batch.length();
+  const Precision precision = plan.config.precision;
   std::vector<LengthProfile> shorter;
-  ProfileOptions o;
-  o.streamed = plan.config.offload.optimizer;
+  bool measured = false;
   for (int64_t l : lengths_to_profile(length)) {
+    const auto kept = std::find_if(lengths_.begin(), lengths_.end(), [&](const LengthProfile& p) {
+      return p.length == l && p.profile.precision == precision;
+    });
+    if (kept != lengths_.end()) {
+      shorter.push_back(*kept);
+      continue;
+    }
     ChainParts parts(workload_, batch.cut(l));
-    shorter.push_back({l, profile_precision(parts, plan.config.precision, tracker_, o)});
+    shorter.push_back({l, profile_precision(parts, precision, tracker_, profile_options())});
+    lengths_.push_back(shorter.back());
+    measured = true;
   }
+  if (measured) store_costs(source_, measured_costs());
   return ShapePlanner(*planner_, plan, length, std::move(shorter));
 }
 

@@ -52,7 +52,9 @@ ChainCosts Planner::costs_at(int64_t m, Precision precision) const {
 }
 
 MeasuredCosts Planner::measured_costs() const {
-  MeasuredCosts costs{profile_, {request_.optimizer}};
+  MeasuredCosts costs;
+  costs.profile = profile_;
+  costs.optimizer = {request_.optimizer};
   costs.optimizer.insert(costs.optimizer.end(), request_.optimizer_alternatives.begin(), request_.optimizer_alternatives.end());
   return costs;
 }

@@ -105,7 +105,13 @@ double seconds_since(std::chrono::steady_clock::time_point t0) {
 nlohmann::json measured_costs_json(const MeasuredCosts& costs) {
   nlohmann::json optimizer = nlohmann::json::array();
   for (const auto& c : costs.optimizer) optimizer.push_back(optimizer_cost_json(c));
-  return {{"profile", profile_json(costs.profile)}, {"optimizer", optimizer}};
+  nlohmann::json j{{"profile", profile_json(costs.profile)}, {"optimizer", optimizer}};
+  if (!costs.lengths.empty()) {
+    nlohmann::json lengths = nlohmann::json::array();
+    for (const auto& l : costs.lengths) lengths.push_back(length_profile_json(l));
+    j["lengths"] = lengths;  // absent: none measured
+  }
+  return j;
 }
 
 MeasuredCosts measured_costs_from_json(const nlohmann::json& j) {
@@ -113,6 +119,10 @@ MeasuredCosts measured_costs_from_json(const nlohmann::json& j) {
   costs.profile = profile_from_json(json_fields::field(j, "profile"));
   for (const auto& c : json_fields::array(j, "optimizer")) costs.optimizer.push_back(optimizer_cost_from_json(c));
   if (costs.optimizer.empty()) json_fields::refuse("optimizer", j.at("optimizer"), "expected at least one optimizer cost");
+  if (j.contains("lengths")) {
+    const size_t blocks = costs.profile.precisions.front().small.blocks.size();
+    for (const auto& l : json_fields::array(j, "lengths")) costs.lengths.push_back(length_profile_from_json(l, blocks));
+  }
   return costs;
 }
 

@@ -225,6 +225,14 @@ WorkloadProfile profile_from_json(const nlohmann::json& j) {
   return p;
 }
 
+nlohmann::json length_profile_json(const LengthProfile& p) {
+  return {{"length", p.length}, {"profile", precision_profile_json(p.profile)}};
+}
+
+LengthProfile length_profile_from_json(const nlohmann::json& j, size_t blocks) {
+  return {jf::integer(j, "length", 1), precision_profile_from_json(jf::field(j, "profile"), blocks)};
+}
+
 nlohmann::json optimizer_cost_json(const OptimizerCost& c) {
   return {{"state_bytes", c.state_bytes}, {"step_bytes", c.step_bytes}, {"seconds", c.seconds},
           {"state", state_precision_name(c.state)}};

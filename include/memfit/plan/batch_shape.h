@@ -27,12 +27,6 @@
 
 namespace memfit {
 
-// One precision's costs measured on the batch cut to `length` (its samples unchanged).
-struct LengthProfile {
-  int64_t length = 0;
-  PrecisionProfile profile;
-};
-
 // The lengths worth profiling beside L0: L0/2 and L0/4 where they differ from each other and
 // L0 (none for L0 < 4: only the samples vary then).
 std::vector<int64_t> lengths_to_profile(int64_t length);

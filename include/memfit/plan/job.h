@@ -90,7 +90,8 @@ class PlanJob {
   bool add_precision_if_missing(Precision precision);
 
   // The rule that plans each batch by its shape after `plan` (batch_shape.h): where the job's
-  // batch has a length, the plan's precision profiled again on it cut to shorter lengths.
+  // batch has a length, the plan's precision profiled again on it cut to shorter lengths (or
+  // read from the profile cache, which keeps them: a resumed run chooses as the run it continues).
   ShapePlanner shape_planner(const Plan& plan);
 
   // `steps` steps of `config` on the job's batch, recorded for the reserved check
@@ -103,6 +104,8 @@ class PlanJob {
 
  private:
   ChainTimer timer();
+  // What the profile cache keeps: the planner's costs (grown by sizes timed) and lengths_.
+  MeasuredCosts measured_costs() const;
   // What the profile measures besides the plain runs (a streamed backward where the optimizer may
   // be offloaded).
   ProfileOptions profile_options() const;
@@ -113,6 +116,7 @@ class PlanJob {
   MemoryTracker& tracker_;
   CostsSource source_;
   std::optional<Planner> planner_;
+  std::vector<LengthProfile> lengths_;  // the batch cut shorter, as shape_planner measured or read them
 };
 
 // The default budget: halfway between the smallest plan and what the plain step needs (both

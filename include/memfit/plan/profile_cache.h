@@ -29,6 +29,10 @@ namespace memfit {
 struct MeasuredCosts {
   WorkloadProfile profile;
   std::vector<OptimizerCost> optimizer;
+  // The batch cut to shorter lengths, at the precisions plans ran (batch_shape.h), as they were
+  // measured: a resumed run plans each batch's shape from the same numbers, so it makes the same
+  // choices as the run it continues.
+  std::vector<LengthProfile> lengths;
 };
 
 nlohmann::json measured_costs_json(const MeasuredCosts& costs);
