@@ -108,6 +108,9 @@ class Profiler {
     const auto [a, b] = profiled_sizes(model_.samples());
     PrecisionProfile p;
     p.precision = precision;
+    // A forward first: what a model makes on its first call and keeps (a mask or table built
+    // lazily, at this length) is not counted as the first part's activations.
+    if (!model_.warm({b, precision, false})) time_forward(model_, {b, precision, false});
     p.large = chain_profile(precision, b);
     progress(std::string(precision_name(precision)) + ", " + std::to_string(b) + " samples");
     p.small = a < b ? chain_profile(precision, a) : p.large;
