@@ -6,9 +6,11 @@ it off). At each budget (a share of the plain step's peak):
 1. the grid a person would try by hand — accumulation (1, 2, 4, 8) x the first k blocks
    checkpointed with torch.utils.checkpoint (k = 0..layers) x precision (fp32, bf16 autocast) —
    each configuration's peak under memfit.budget, the fitting ones timed one after another;
-2. memfit's step, its configuration written by hand (the overhead of memfit's wrappers) and the
-   grid's three fastest, each on its own copy of the model, timed together in rounds (the
-   order rotated; medians): a machine whose speed drifts over minutes weighs on each alike;
+2. memfit's step, its configuration written by hand (the overhead of memfit's wrappers), the
+   grid's three fastest and the plain step (no budget), each on its own copy of the model, timed
+   together in rounds (the order rotated; medians): a machine whose speed drifts over minutes
+   weighs on each alike. The time model is judged by memfit's step over the plain step, predicted
+   and measured (drift cancels in a ratio of runs taken together);
 3. memfit.plan's seconds against plain steps' (five timed before planning, five after);
 4. halving on out-of-memory from the full batch (find_executable_batch_size-style: the step under
    the budget, the micro-batch halved on each out-of-memory error) against memfit.fit: seconds to
@@ -188,7 +190,8 @@ def at_budget(fraction, peak):
     fits, untimed = grid(budget)
     top = [config for _, config in sorted(fits)[:3]]
     indices = [plan.block_names.index(n) for n in plan.checkpointed]
-    configs = {"memfit": None, "memfit's configuration by hand": (plan.accumulation, indices, plan.precision), **{c: c for c in top}}
+    configs = {"memfit": None, "memfit's configuration by hand": (plan.accumulation, indices, plan.precision),
+               "plain": (1, 0, "fp32"), **{c: c for c in top}}
     steps = {}
     for name, config in configs.items():
         if config is None:
@@ -214,6 +217,14 @@ def at_budget(fraction, peak):
         t = medians[(acc, k, prec)]
         print(f"| hand-written grid, fastest #{rank} alone ({len(fits)} of {tried} fit) | {samples // acc} x {acc}, first {k} "
               f"blocks checkpointed, {prec} | {t:.3f} | {t / ours_s:.2f} |")
+    plain_round_s = medians["plain"]
+    print(f"| the plain step, no budget (the time model's reference) | {samples} x 1, fp32 | {plain_round_s:.3f} | "
+          f"{plain_round_s / ours_s:.2f} |")
+    predicted_ratio = plan.predicted_step_seconds / plan.plain_predicted_step_seconds
+    measured_ratio = ours_s / plain_round_s
+    print(f"\nmemfit's step over the plain step: predicted {predicted_ratio:.3f}x, measured {measured_ratio:.3f}x in the "
+          f"same rounds ({measured_ratio / predicted_ratio - 1:+.1%}); absolute: predicted {plan.predicted_step_seconds:.3f} s, "
+          f"measured {ours_s:.3f} s ({ours_s / plan.predicted_step_seconds - 1:+.1%}, the machine's speed then and now in it)")
     if untimed:
         print(f"\n{untimed}")
     sys.stdout.flush()  # the table so far, before the halving runs
