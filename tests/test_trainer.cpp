@@ -9,6 +9,7 @@
 #include <filesystem>
 #include <fstream>
 #include <set>
+#include <utility>
 
 #include <nlohmann/json.hpp>
 
@@ -232,9 +233,11 @@ TEST(TrainerTest, ARunOfVaryingLengthsResumesExactly) {
 
   StepsSeen seen;
   const TrainSummary straight = run(o, seen);
-  std::set<int64_t> micro_batches;
-  for (const StepEvent& e : seen.steps) micro_batches.insert(e.micro_batch);
-  ASSERT_GT(micro_batches.size(), 1u) << "every batch ran one micro-batch size: no shape was planned apart";
+  std::set<std::pair<int64_t, int64_t>> configurations;  // (micro-batch, blocks recomputed)
+  for (const StepEvent& e : seen.steps) configurations.insert({e.micro_batch, e.recomputed_blocks});
+#if !defined(__SANITIZE_ADDRESS__)  // ASan slows each kind of operation its own way: its timed plans are no real build's
+  ASSERT_GT(configurations.size(), 1u) << "every batch ran one configuration: no shape was planned apart";
+#endif
   for (const auto& file : std::filesystem::directory_iterator(dir / "cache")) {
     std::ifstream in(file.path());
     const nlohmann::json kept = nlohmann::json::parse(in);
