@@ -145,8 +145,6 @@ PartCosts part_costs(const PartwiseModel& model, const MemoryTracker& tracker, M
   PartCosts out;
   for (size_t i = 0; i < n; ++i) {
     BlockCost c;
-    c.forward_seconds = r.forward_seconds[i];
-    c.backward_seconds = r.backward_seconds[i];
     c.output_bytes = r.output_bytes[i];
     c.output_kept = kept_output[i];
     c.kept_bytes = outputs.kept_bytes[i];

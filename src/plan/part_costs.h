@@ -24,7 +24,7 @@ struct PartOffsets {
 };
 
 // The parts' costs from a plain run (a step's first micro-batch), their peaks' moments, and
-// each part's offsets.
+// each part's offsets; their seconds come from add_accumulating.
 struct PartCosts {
   std::vector<BlockCost> costs;
   std::vector<BlockMoments> moments;

@@ -94,11 +94,11 @@ class PartwiseModel {
   // Whether a forward + backward of `run`'s samples at its precision ran on this model before:
   // its first use is paid (oneDNN's kernels for those shapes built, a caching allocator grown),
   // so a timing needs no run to pay it (timing_rounds.h). The measuring runs mark it.
-  bool warm(const PartRun& run) const { return warm_.count({static_cast<int>(run.precision), run.samples}) > 0; }
-  void mark_warm(const PartRun& run) { warm_.insert({static_cast<int>(run.precision), run.samples}); }
+  bool warm(const PartRun& run) const { return warm_.count({run.precision, run.samples}) > 0; }
+  void mark_warm(const PartRun& run) { warm_.insert({run.precision, run.samples}); }
 
  private:
-  std::set<std::pair<int, int64_t>> warm_;  // (precision, samples)
+  std::set<std::pair<Precision, int64_t>> warm_;
 };
 
 // A Workload's Chain on one batch, part by part: each block a part.
